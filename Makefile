@@ -1,0 +1,32 @@
+# Quick start: `make train` and `make test`. Both create .venv on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.m2po-installed
+CONFIG ?= configs/default.yaml
+ARGS   ?=
+
+.PHONY: setup train test test-fast bench clean
+
+setup: $(STAMP)
+
+# Re-install only when the dependency files change.
+$(STAMP): pyproject.toml constraints/cpu.txt constraints/gpu.txt scripts/setup_env.sh
+	VENV=$(VENV) bash scripts/setup_env.sh
+	@touch $(STAMP)
+
+train: setup
+	$(VENV)/bin/m2po train --config $(CONFIG) $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(ARGS)
+	@echo "set-up time of this .venv (cold install): $$(cat $(VENV)/.m2po-setup-seconds 2>/dev/null || echo '?') s"
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
+
+bench: setup
+	$(PY) bench/bench_losses.py
+	$(PY) bench/bench_reward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

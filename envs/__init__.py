@@ -1,0 +1,1 @@
+"""Gymnasium text-generation environments for verifiable math tasks."""

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny models the tests build themselves (no hub access)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM on CPU: keep the KV cache small; the tests share a 2-core, 24 GB machine.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random tiny Qwen2 causal LM with a character-level tokenizer, saved as a HF directory."""
+    from m2po_rllib.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)

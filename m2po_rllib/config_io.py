@@ -1,0 +1,110 @@
+"""YAML configs that mirror the AlgorithmConfig methods.
+
+    environment: {env: m2po/Arithmetic-v0, env_config: {...}}
+    env_runners: {num_env_runners: 0, rollout_engine: hf, temperature: 1.0, ...}
+    learners:    {num_learners: 0}
+    rl_module:   {model_config: {model: builtin:arith-tiny}}
+    training:    {policy_loss: m2po, m2_threshold: 0.04, staleness: 64, lr: 3.0e-5, ...}
+    evaluation:  {evaluation_interval: 5, evaluation_duration: 200}
+    debugging:   {seed: 0}
+
+Each section is passed as keyword arguments to the method of the same name, so the config
+object validates it; nothing is `exec`ed. Overrides use dotted keys: `training.lr=1e-5`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import yaml
+
+# YAML 1.1 reads `1e-5` (no dot) as a string; configs mean the number.
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _numbers(value):
+    if isinstance(value, str) and _FLOAT_RE.match(value):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+SECTIONS = (
+    "environment",
+    "env_runners",
+    "learners",
+    "rl_module",
+    "training",
+    "evaluation",
+    "debugging",
+    "reporting",
+    "resources",
+    "fault_tolerance",
+    "checkpointing",
+)
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, YAML-parsed value)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like section.key=value, e.g. training.lr=1e-5")
+    path, raw = item.split("=", 1)
+    if "." not in path:
+        raise ValueError(
+            f"override {item!r} needs a section: one of {', '.join(SECTIONS)} (e.g. training.{path}={raw})"
+        )
+    section, key = path.split(".", 1)
+    return section, key, _numbers(yaml.safe_load(raw))
+
+
+def apply_overrides(spec: dict, overrides: dict | list | None) -> dict:
+    spec = copy.deepcopy(spec)
+    if not overrides:
+        return spec
+    items = overrides.items() if isinstance(overrides, dict) else []
+    if isinstance(overrides, (list, tuple)):
+        items = [(f"{s}.{k}", v) for s, k, v in map(parse_override, overrides)]
+    for path, value in items:
+        section, key = path.split(".", 1)
+        node = spec.setdefault(section, {})
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return spec
+
+
+def load_spec(path: str) -> dict:
+    with open(path) as f:
+        spec = _numbers(yaml.safe_load(f) or {})
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a config is a mapping of sections ({', '.join(SECTIONS)})")
+    return spec
+
+
+def config_from_spec(spec: dict, config_cls=None):
+    if config_cls is None:
+        from m2po_rllib.m2po import M2POConfig as config_cls
+    config = config_cls()
+    unknown = set(spec) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown config section(s) {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
+    for section in SECTIONS:
+        if section in spec and spec[section]:
+            kwargs = dict(spec[section])
+            if section == "environment" and "env" in kwargs:
+                config.environment(kwargs.pop("env"), **kwargs)
+                continue
+            try:
+                getattr(config, section)(**kwargs)
+            except TypeError as e:
+                raise ValueError(f"config section {section!r}: {e}") from None
+    return config
+
+
+def config_from_yaml(path: str, overrides=None, config_cls=None):
+    return config_from_spec(apply_overrides(load_spec(path), overrides), config_cls=config_cls)

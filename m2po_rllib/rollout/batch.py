@@ -1,0 +1,112 @@
+"""Rollout batches: padded numpy arrays that travel from EnvRunners to the learners.
+
+A rollout batch holds B = prompts x group_size sequences, each group of `group_size`
+consecutive rows sharing one prompt:
+    prompt_ids      (B, P) int64, left-padded     prompt_mask   (B, P) float32
+    response_ids    (B, R) int64, right-padded    response_mask (B, R) float32
+    behavior_logp   (B, R) float32   log-prob of each token under the generating weights
+    rewards         (B,)   float32
+    policy_version  (B,)   int64     optimizer updates behind the generating weights
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+ROW_KEYS_2D_LEFT = ("prompt_ids", "prompt_mask")
+ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp")
+ROW_KEYS_1D = ("rewards", "policy_version")
+
+
+def _pad(rows: Sequence[Sequence], width: int, value, dtype, left: bool) -> np.ndarray:
+    out = np.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        n = len(row)
+        if n:
+            if left:
+                out[i, width - n :] = row
+            else:
+                out[i, :n] = row
+    return out
+
+
+def pack_rollouts(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    behavior_logp: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    policy_version: int,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """Pads one rollout round into a batch (rows in the order given)."""
+    n = len(prompt_ids)
+    if not (len(response_ids) == len(behavior_logp) == len(rewards) == n):
+        raise ValueError(
+            f"pack_rollouts got {n} prompts, {len(response_ids)} responses, "
+            f"{len(behavior_logp)} log-prob rows and {len(rewards)} rewards; they must match"
+        )
+    for i, (r, lp) in enumerate(zip(response_ids, behavior_logp)):
+        if len(r) != len(lp):
+            raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} log-probs")
+    p = max((len(x) for x in prompt_ids), default=0)
+    r = max(1, max((len(x) for x in response_ids), default=0))
+    return {
+        "prompt_ids": _pad(prompt_ids, p, pad_id, np.int64, left=True),
+        "prompt_mask": _pad([[1.0] * len(x) for x in prompt_ids], p, 0.0, np.float32, left=True),
+        "response_ids": _pad(response_ids, r, pad_id, np.int64, left=False),
+        "response_mask": _pad([[1.0] * len(x) for x in response_ids], r, 0.0, np.float32, left=False),
+        "behavior_logp": _pad(behavior_logp, r, 0.0, np.float32, left=False),
+        "rewards": np.asarray(rewards, dtype=np.float32),
+        "policy_version": np.full(n, policy_version, dtype=np.int64),
+    }
+
+
+def _repad(a: np.ndarray, width: int, value, left: bool) -> np.ndarray:
+    extra = width - a.shape[1]
+    if extra == 0:
+        return a
+    pad = ((0, 0), (extra, 0)) if left else ((0, 0), (0, extra))
+    return np.pad(a, pad, constant_values=value)
+
+
+def concat_rollouts(batches: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+    """Concatenates rollout batches row-wise, re-padding prompts (left) and responses (right)."""
+    if not batches:
+        raise ValueError("concat_rollouts needs at least one batch")
+    if len(batches) == 1:
+        return dict(batches[0])
+    p = max(b["prompt_ids"].shape[1] for b in batches)
+    r = max(b["response_ids"].shape[1] for b in batches)
+    out = {}
+    for key in batches[0]:
+        if key in ROW_KEYS_2D_LEFT:
+            value = pad_id if key == "prompt_ids" else 0
+            out[key] = np.concatenate([_repad(b[key], p, value, left=True) for b in batches])
+        elif key in ROW_KEYS_2D_RIGHT:
+            value = pad_id if key == "response_ids" else 0
+            out[key] = np.concatenate([_repad(b[key], r, value, left=False) for b in batches])
+        else:
+            out[key] = np.concatenate([b[key] for b in batches])
+    return out
+
+
+def num_rows(batch: dict[str, np.ndarray]) -> int:
+    return int(batch["response_mask"].shape[0])
+
+
+def take_rows(batch: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def to_train_batch(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict[str, np.ndarray]:
+    """The learner's view: one token sequence per row plus what the loss needs."""
+    return {
+        "input_ids": np.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1),
+        "attention_mask": np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1),
+        "response_mask": batch["response_mask"],
+        "behavior_logp": batch["behavior_logp"],
+        "advantages": advantages.astype(np.float32),
+        "policy_version": batch["policy_version"],
+    }

@@ -1,0 +1,92 @@
+"""The M2PO TorchLearner: the loss library, called by name, on the LLM module's log-probs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.utils.annotations import override
+
+from m2po_rllib.losses import compute_policy_loss
+from m2po_rllib.torch.rl_module import ENTROPY, LOGP, response_logp_and_entropy
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class M2POTorchLearner(TorchLearner):
+    @override(TorchLearner)
+    def build(self) -> None:
+        super().build()
+        # Log-probs are those of the distribution the runners sample from.
+        for module_id in self.module.keys():
+            self.module[module_id].unwrapped().temperature = float(self.config.temperature)
+
+    def compute_response_logp(self, batch: dict[str, Any]) -> np.ndarray:
+        """Per-token log-probs `(B, R)` of the responses under the current weights (no grad)."""
+        module = self.module[DEFAULT_MODULE_ID].unwrapped()
+        tensors = {k: torch.as_tensor(v, device=self._device) for k, v in batch.items()}
+        with torch.no_grad():
+            logp, _ = response_logp_and_entropy(
+                module.model,
+                tensors["input_ids"],
+                tensors["attention_mask"],
+                tensors["response_mask"].shape[1],
+                temperature=module.temperature,
+                with_entropy=False,
+            )
+        return logp.float().cpu().numpy()
+
+    @override(TorchLearner)
+    def configure_optimizers_for_module(self, module_id, config=None) -> None:
+        module = self._module[module_id]
+        params = self.get_parameters(module)
+        optimizer = torch.optim.AdamW(
+            params, betas=tuple(config.adam_betas), weight_decay=config.weight_decay
+        )
+        self.register_optimizer(
+            module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
+        )
+
+    @override(TorchLearner)
+    def compute_loss_for_module(
+        self, *, module_id: str, config, batch: dict[str, Any], fwd_out: dict[str, Any]
+    ) -> torch.Tensor:
+        valid = batch["response_mask"] > 0
+        loss, metrics = compute_policy_loss(
+            config.policy_loss,
+            fwd_out[LOGP],
+            batch["behavior_logp"],
+            batch["advantages"],
+            valid,
+            entropy=fwd_out.get(ENTROPY),
+            loss_agg_mode=config.loss_agg_mode,
+            mask_scope=config.mask_scope,
+            **config.policy_loss_params(),
+        )
+        world = _world_size()
+        # compute_policy_loss divides by the *global* token count, so the shards' losses
+        # add up to the whole minibatch's loss; DDP averages gradients over ranks, hence * world.
+        metrics = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items()}
+        metrics["policy/loss"] = loss.detach() * world if world > 1 else loss.detach()
+        with torch.no_grad():
+            version = batch["policy_version"].float()
+            now = float(self.module[module_id].unwrapped().policy_version)
+            metrics["staleness/trained_mean"] = now - version.mean()
+            metrics["staleness/trained_max"] = now - version.min()
+        for key, value in metrics.items():
+            reduce = "max" if key.endswith("_max") else "mean"
+            self.metrics.log_value((module_id, key), value, reduce=reduce)
+        return loss * world if world > 1 else loss
+
+    @override(TorchLearner)
+    def apply_gradients(self, gradients_dict) -> None:
+        super().apply_gradients(gradients_dict)
+        for module_id in self.module.keys():
+            self.module[module_id].unwrapped().policy_version += 1

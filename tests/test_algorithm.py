@@ -16,7 +16,7 @@ from m2po_rllib.rollout.batch import concat_rollouts, pack_rollouts, to_train_ba
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
 
@@ -181,3 +181,72 @@ def test_checkpoint_resume_matches_uninterrupted_run(ray_session, tiny_model_dir
     finally:
         resumed.stop()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_heldout_evaluation_through_rllib(ray_session, tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir).evaluation(
+        evaluation_interval=1, evaluation_duration=6, eval_samples=2
+    )
+    cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
+    algo = cfg.build_algo()
+    try:
+        result = algo.train()
+        ev = result["evaluation"]["env_runners"]
+        assert ev["num_problems"] == 6
+        assert 0.0 <= ev["eval/accuracy"] <= 1.0 and 0.0 <= ev["eval/mean_at_k"] <= 1.0
+        assert ev["eval/response_len_mean"] > 0
+    finally:
+        algo.stop()
+
+
+def _weights(algo):
+    state = algo.learner_group.get_state(components="learner/rl_module")
+    return state["learner"]["rl_module"]["default_policy"]["weights"]
+
+
+@pytest.mark.slow
+def test_two_learners_global_mask_equals_one_learner(ray_session, tiny_model_dir):
+    """Sharding the minibatch over 2 gloo learners gives the 1-learner mask and update."""
+    # A tight tau and a large lr make the second minibatch of the step mask tokens.
+    common = dict(m2_threshold=1e-6, lr=3e-2, minibatch_prompts=2, prompts_per_step=4)
+    results, weights = [], []
+    for num_learners in (0, 2):
+        cfg = tiny_config(tiny_model_dir, **common).learners(num_learners=num_learners)
+        algo = cfg.build_algo()
+        try:
+            results.append(algo.train()["learners"]["default_policy"])
+            weights.append({k: torch.as_tensor(v) for k, v in _weights(algo).items()})
+        finally:
+            algo.stop()
+    one, two = results
+    assert one["m2po/masked_tokens"] > 0, "the test needs a step that masks tokens"
+    assert two["m2po/masked_tokens"] == pytest.approx(one["m2po/masked_tokens"])
+    assert two["m2po/m2_before"] == pytest.approx(one["m2po/m2_before"], rel=1e-4)
+    assert two["policy/loss"] == pytest.approx(one["policy/loss"], rel=1e-4, abs=1e-7)
+    # Adam's first steps are ~lr * sign(g): gradients that differ only by float summation
+    # order can move a near-zero-gradient weight by a few 1e-6; lr is 3e-2.
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
+    from ray import tune
+
+    cfg = tiny_config(tiny_model_dir, m2_threshold=tune.grid_search([0.02, 0.08]))
+    cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
+    tuner = tune.Tuner(
+        "M2PO",
+        param_space=cfg,
+        run_config=tune.RunConfig(
+            stop={"training_iteration": 1}, storage_path=str(tmp_path), verbose=0
+        ),
+    )
+    grid = tuner.fit()
+    assert grid.num_errors == 0
+    thresholds = sorted(r.config["m2_threshold"] for r in grid)
+    assert thresholds == [0.02, 0.08]
+    for r in grid:
+        assert r.metrics["training_iteration"] == 1
+        assert "m2po/m2_before" in r.metrics["learners"]["default_policy"]

@@ -20,6 +20,25 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _reduce_over_learners(metrics: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Whole-minibatch metrics from per-shard ones: counts and the loss add up, maxima take
+    the max, the rest average (shards are equal-sized). RLlib then averages equal values."""
+    keys = sorted(metrics)
+    summed = [k for k in keys if k.endswith("_tokens") or k == "policy/loss"]
+    maxed = [k for k in keys if k.endswith("_max")]
+    averaged = [k for k in keys if k not in summed and k not in maxed]
+    out = {}
+    for names, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX), (averaged, dist.ReduceOp.SUM)):
+        if not names:
+            continue
+        buf = torch.stack([metrics[k].reshape(()).to(device) for k in names])  # NCCL needs device tensors
+        dist.all_reduce(buf, op=op)
+        if names is averaged:
+            buf /= dist.get_world_size()
+        out.update(zip(names, buf))
+    return out
+
+
 class M2POTorchLearner(TorchLearner):
     @override(TorchLearner)
     def build(self) -> None:
@@ -71,10 +90,10 @@ class M2POTorchLearner(TorchLearner):
             **config.policy_loss_params(),
         )
         world = _world_size()
-        # compute_policy_loss divides by the *global* token count, so the shards' losses
-        # add up to the whole minibatch's loss; DDP averages gradients over ranks, hence * world.
-        metrics = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items()}
-        metrics["policy/loss"] = loss.detach() * world if world > 1 else loss.detach()
+        metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in metrics.items()}
+        metrics["policy/loss"] = loss.detach().float()
+        if world > 1:
+            metrics = _reduce_over_learners(metrics, self._device)
         with torch.no_grad():
             version = batch["policy_version"].float()
             now = float(self.module[module_id].unwrapped().policy_version)
@@ -83,6 +102,8 @@ class M2POTorchLearner(TorchLearner):
         for key, value in metrics.items():
             reduce = "max" if key.endswith("_max") else "mean"
             self.metrics.log_value((module_id, key), value, reduce=reduce)
+        # compute_policy_loss divides by the *global* token count, so the shards' losses add
+        # up to the whole minibatch's loss; DDP averages gradients over ranks, hence * world.
         return loss * world if world > 1 else loss
 
     @override(TorchLearner)

@@ -1,17 +1,99 @@
-"""The `m2po` command line."""
+"""The `m2po` command line: train, eval, export.
+
+    m2po train [--config configs/default.yaml] [--stop-iters N] [--output DIR] [section.key=value ...]
+    m2po train --resume DIR
+    m2po eval  --checkpoint DIR | --model builtin:arith-tiny  [--split heldout] [--samples k]
+    m2po export --checkpoint DIR --out HF_DIR
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _default_config_path() -> str:
+    """configs/default.yaml in the checkout, else the copy shipped inside the package."""
+    if os.path.exists(DEFAULT_CONFIG):
+        return DEFAULT_CONFIG
+    from importlib import resources
+
+    return str(resources.files("m2po_rllib") / "configs" / "default.yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="m2po", description="M2PO on Ray RLlib: train and evaluate LLMs on stale rollouts."
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train with a YAML config (the main job)")
+    p.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    p.add_argument("--stop-iters", type=int, default=None, help="training iterations (default: the config's)")
+    p.add_argument("--stop-minutes", type=float, default=None, help="stop after this wall-clock time")
+    p.add_argument("--output", default=None, help="run directory (default: runs/<config>-<time>)")
+    p.add_argument("--resume", default=None, help="continue the run in this directory")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="iterations between checkpoints")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-5")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="held-out accuracy of a checkpoint or a model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a run directory or checkpoint directory")
+    src.add_argument("--model", help="a HF model directory or builtin name")
+    p.add_argument("--config", default=None, help=f"YAML config for the env (default: the run's, or {DEFAULT_CONFIG})")
+    p.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    p.add_argument("--num", type=int, default=None, help="problems (default: the config's evaluation_duration)")
+    p.add_argument("--samples", type=int, default=1, help="k for mean@k (sampled at the config's temperature)")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory")
+    p.add_argument("--checkpoint", required=True, help="a run directory or checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (loadable by transformers and vLLM)")
+    p.set_defaults(func=_cmd_export)
     return parser
+
+
+def _cmd_train(args) -> int:
+    from m2po_rllib.train import run_training
+
+    return run_training(
+        config_path=args.config or (None if args.resume else _default_config_path()),
+        overrides=args.overrides,
+        stop_iters=args.stop_iters,
+        stop_minutes=args.stop_minutes,
+        output=args.output,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress,
+    )
+
+
+def _cmd_eval(args) -> int:
+    from m2po_rllib.train import run_eval
+
+    return run_eval(
+        checkpoint=args.checkpoint,
+        model=args.model,
+        config_path=args.config,
+        overrides=args.overrides,
+        split=args.split,
+        num=args.num,
+        samples=args.samples,
+    )
+
+
+def _cmd_export(args) -> int:
+    from m2po_rllib.export import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out)
+    print(f"wrote a Hugging Face model to {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"m2po {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

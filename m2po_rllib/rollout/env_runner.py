@@ -53,7 +53,7 @@ def engine_settings(config) -> dict[str, Any]:
     """What an engine needs from an M2POConfig, as plain picklable values."""
     model_config = dict(config.model_config or {})
     return {
-        "kind": config.rollout_engine,
+        "kind": config.resolved_rollout_engine(),
         "model": model_config.get("model"),
         "dtype": model_config.get("dtype", "float32"),
         "engine_kwargs": dict(config.engine_kwargs or {}),
@@ -71,7 +71,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._pending_weights: tuple[dict, int] | None = None
         self._tokenizer = None
         self._train_envs: list[gym.Env] = []
-        self._eval_env: gym.Env | None = None
+        self._eval_envs: dict[str, gym.Env] = {}
         self.make_env()
 
     # -- construction ---------------------------------------------------------------------
@@ -79,7 +79,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         for env in self._train_envs:
             env.close()
         self._train_envs = []
-        self._eval_env = None
+        self._eval_envs = {}
         # One env tells the spaces; the rest are made on first use (prompts x group size).
         self.env = make_text_env(self.config.env, self.config.env_config)
         self._train_envs = [self.env]
@@ -89,10 +89,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._train_envs.append(make_text_env(self.config.env, self.config.env_config))
         return self._train_envs[:n]
 
-    def _heldout_env(self) -> gym.Env:
-        if self._eval_env is None:
-            self._eval_env = make_text_env(self.config.env, self.config.env_config, split="heldout")
-        return self._eval_env
+    def _split_env(self, split: str) -> gym.Env:
+        if split not in self._eval_envs:
+            self._eval_envs[split] = make_text_env(self.config.env, self.config.env_config, split=split)
+        return self._eval_envs[split]
 
     @property
     def tokenizer(self):
@@ -217,12 +217,14 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value("num_episodes_lifetime", len(rewards), reduce="lifetime_sum")
         return batch
 
-    def evaluate(self, *, indices: list[int], samples: int = 1, seed: int = 0) -> dict[str, Any]:
-        """Scores held-out problems `indices`: greedy accuracy, and mean@k with `samples` > 1.
+    def evaluate(
+        self, *, indices: list[int], samples: int = 1, seed: int = 0, split: str = "heldout"
+    ) -> dict[str, Any]:
+        """Scores problems `indices` of `split`: greedy accuracy, and mean@k with `samples` > 1.
 
         Returns counts (not means) so results from several runners add up exactly.
         """
-        env = self._heldout_env()
+        env = self._split_env(split)
         prompts, answers = [], []
         for i in indices:
             obs, info = env.reset(options={"index": int(i)})
@@ -281,8 +283,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._engine = None
         for env in self._train_envs:
             env.close()
-        if self._eval_env is not None:
-            self._eval_env.close()
+        for env in self._eval_envs.values():
+            env.close()
 
     def __del__(self):
         pass

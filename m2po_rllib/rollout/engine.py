@@ -1,0 +1,151 @@
+"""The generation-engine interface the EnvRunner codes against, and `make_engine`.
+
+Two engines implement it: `VLLMEngine` (`vllm_engine.py`, for real models) and `HFEngine`
+(`hf_engine.py`, plain transformers; for tiny models, where vLLM's overhead dominates, and as
+the reference in parity tests). Both return the same `Completion`s with the same semantics:
+
+Behaviour log-probs (`Completion.logprobs`) are those of the distribution each token was
+actually sampled from, which is what the importance ratio in M2PO / GRPO needs:
+- temperature T > 0: `log_softmax(logits / T)[token]`, the same temperature-scaled log-prob
+  the learner computes (as verl does); with `top_p < 1` the distribution is additionally
+  restricted to the nucleus and renormalised (tokens outside it have log-prob -inf). The
+  learner does not apply top-p, so keep `top_p = 1` for on-policy ratios of exactly 1.
+- T == 0 (greedy): `log_softmax(logits)[token]` of the raw logits.
+
+Token ids and stop strings follow vLLM: `token_ids` (and `logprobs`) hold every sampled token,
+the EOS token and the token that completed a stop string included; `text` is the decoded
+completion without special tokens and cut before the stop string.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 samples greedily."""
+    top_p: float = 1.0
+    """Nucleus mass kept before sampling; 1 keeps the whole vocabulary."""
+    max_tokens: int = 64
+    """Most tokens generated per sample."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; generation ends once the text contains one (it is cut from `text`)."""
+    seed: int | None = None
+    """Seed base. Requests are the flattened samples: sample j of prompt i (0-based) is request
+    `i * n + j` and draws from its own generator seeded with `seed + i * n + j`, so a sample
+    is reproducible whatever else is in the batch. None draws fresh randomness."""
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"`n` ({self.n}) must be >= 1 samples per prompt")
+        if self.temperature < 0:
+            raise ValueError(f"`temperature` ({self.temperature}) must be >= 0; 0 is greedy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"`top_p` ({self.top_p}) must be in (0, 1]; 1 disables it")
+        if self.max_tokens < 1:
+            raise ValueError(f"`max_tokens` ({self.max_tokens}) must be >= 1")
+        if isinstance(self.stop, str):
+            raise TypeError(f"`stop` must be a list of strings, got the string {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"`stop` ({self.stop}) must not contain empty strings")
+
+    def request_seed(self, prompt_index: int, sample_index: int) -> int | None:
+        """The seed of sample `sample_index` of prompt `prompt_index` (see `seed`)."""
+        if self.seed is None:
+            return None
+        return self.seed + prompt_index * self.n + sample_index
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated tokens, without the prompt (EOS / stop-completing token included)."""
+    logprobs: list[float]
+    """Behaviour log-prob of each generated token (see the module docstring)."""
+    text: str
+    """Decoded completion, special tokens skipped, cut before a matched stop string."""
+    finish_reason: str
+    """Either "stop" (EOS or a stop string) or "length" (`max_tokens` reached)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (or its worker process) died; it cannot serve requests any more."""
+
+
+class GenerationEngine(abc.ABC):
+    """Generates completions for token-id prompts and takes versioned in-place weight syncs.
+
+    Subclasses implement `generate`, `_load_weights`, `shutdown` and `is_healthy`; this base
+    class owns the version bookkeeping so both engines drop stale syncs the same way.
+    """
+
+    def __init__(self) -> None:
+        self._version = -1
+
+    @property
+    def version(self) -> int:
+        """The version of the last applied weight sync; -1 before any."""
+        return self._version
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """Samples `sampling.n` completions per prompt; outer list: prompts, inner: samples,
+        both in input order."""
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Loads `weights` (HF checkpoint names; a subset is fine) in place and sets `version`.
+
+        Returns False and changes nothing when `version` is not newer than the current one:
+        with asynchronous syncs a late or duplicate message must not roll the policy back.
+        """
+        if version <= self._version:
+            return False
+        self._load_weights(weights)
+        self._version = version
+        return True
+
+    @abc.abstractmethod
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copies `weights` into the served model."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Frees the model and any worker processes; idempotent."""
+
+    @abc.abstractmethod
+    def is_healthy(self) -> bool:
+        """False once the engine was shut down or died."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+
+# Imported lazily: `import vllm` alone takes seconds and starts nothing we need for "hf".
+ENGINES = {
+    "vllm": "m2po_rllib.rollout.vllm_engine:VLLMEngine",
+    "hf": "m2po_rllib.rollout.hf_engine:HFEngine",
+}
+
+
+def make_engine(kind: str, model_path: str, **kwargs) -> GenerationEngine:
+    """Builds the engine registered as `kind` ("vllm" or "hf") for the HF model at `model_path`;
+    `kwargs` go to the engine's constructor."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine kind {kind!r}; valid kinds: {sorted(ENGINES)}")
+    module_name, class_name = ENGINES[kind].split(":")
+    engine_cls = getattr(importlib.import_module(module_name), class_name)
+    return engine_cls(model_path, **kwargs)

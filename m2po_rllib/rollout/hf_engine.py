@@ -1,0 +1,231 @@
+"""`HFEngine`: batched sampling with plain transformers (left padding, KV cache).
+
+For tiny models, where vLLM's per-step overhead dominates, and as the reference in parity
+tests. The sampling loop is written out rather than using `model.generate` so that every
+token's behaviour log-prob and every sample's own seeded generator are explicit; its
+semantics (temperature, vLLM's top-p rule, stop strings, seeds per sample, EOS) are those of
+`engine.py`'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Masks `logits` (B, V) outside the top-p nucleus with -inf (in place).
+
+    vLLM's rule (`apply_top_k_top_p_pytorch`), so both engines keep the same tokens: sort
+    ascending and drop every token whose cumulative probability is <= 1 - top_p, always
+    keeping the most likely one.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # (B, V)
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum_probs <= 1 - top_p
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(dim=-1, index=order, src=sorted_logits)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generators: list[torch.Generator | None],
+    rows: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples one token per row of `logits` (B, V); returns `(tokens, behavior_logp)`, both (B,).
+
+    Only `rows` draw noise (each from its own generator, so a sample's random stream does not
+    depend on the rest of the batch); the other rows get a don't-care token.
+    """
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = logits.log_softmax(dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        if sampling.top_p < 1:
+            scaled = apply_top_p(scaled, sampling.top_p)
+        logp = scaled.log_softmax(dim=-1)  # (B, V)
+        # Exponential race (= Gumbel-max): argmax p / q with q ~ Exp(1) samples from p.
+        noise = torch.ones_like(logp)
+        for row in rows:
+            noise[row].exponential_(generator=generators[row])
+        tokens = (logp.exp() / noise).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def find_stop(text: str, stop: list[str]) -> int | None:
+    """Index where the earliest-completing stop string in `text` starts (vLLM's tie rule:
+    earliest end, then list order), or None."""
+    best_end, best_start = None, None
+    for s in stop:
+        start = text.find(s)
+        if start != -1 and (best_end is None or start + len(s) < best_end):
+            best_end, best_start = start + len(s), start
+    return best_start
+
+
+class HFEngine(GenerationEngine):
+    """A transformers causal LM that samples `SamplingConfig` batches on one device."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        attn_implementation: str = "sdpa",
+    ):
+        """`device`: None picks cuda when available, else cpu. `seed` seeds the draws of
+        requests whose `SamplingConfig.seed` is None."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        super().__init__()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+        ).to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self._rng = torch.Generator().manual_seed(seed)
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        self.eos_token_ids = (set(gen_eos) | {self.tokenizer.eos_token_id}) - {None}
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+
+    def _check_alive(self) -> None:
+        if self.model is None:
+            raise EngineDeadError("HFEngine was shut down; build a new engine")
+
+    def _generators(self, sampling: SamplingConfig, num_prompts: int) -> list[torch.Generator]:
+        generators = []
+        for i in range(num_prompts):
+            for j in range(sampling.n):
+                seed = sampling.request_seed(i, j)
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+                generators.append(torch.Generator(device=self.device).manual_seed(seed))
+        return generators
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        self._check_alive()
+        if not prompt_token_ids:
+            return []
+        n = sampling.n
+        prompts = [list(p) for p in prompt_token_ids for _ in range(n)]  # prompt i -> rows i*n..
+        batch = len(prompts)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        # A sample ends with "length" at `max_tokens` or when it fills the model's positions.
+        budgets = [
+            sampling.max_tokens
+            if self.max_positions is None
+            else min(sampling.max_tokens, self.max_positions - len(p))
+            for p in prompts
+        ]
+        if min(budgets) < 1:
+            longest = max(len(p) for p in prompts)
+            raise ValueError(
+                f"a prompt of {longest} tokens leaves no room to generate within the model's "
+                f"{self.max_positions} positions; shorten the prompt"
+            )
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding
+            input_ids[row, width - len(p) :] = torch.tensor(p)
+            attention_mask[row, width - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        generators = self._generators(sampling, len(prompt_token_ids))
+
+        tokens_out: list[list[int]] = [[] for _ in range(batch)]
+        logps_out: list[list[float]] = [[] for _ in range(batch)]
+        texts: list[str | None] = [None] * batch
+        reasons: list[str | None] = [None] * batch
+        active = list(range(batch))
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+        )
+        for _step in range(max(budgets)):
+            tokens, logps = sample_next(out.logits[:, -1], sampling, generators, active)
+            tokens_list, logps_list = tokens.tolist(), logps.tolist()
+            still_active = []
+            for row in active:
+                token = tokens_list[row]
+                tokens_out[row].append(token)
+                logps_out[row].append(logps_list[row])
+                if token in self.eos_token_ids:
+                    reasons[row] = "stop"
+                    continue
+                if sampling.stop:
+                    text = self.tokenizer.decode(tokens_out[row], skip_special_tokens=True)
+                    cut = find_stop(text, sampling.stop)
+                    if cut is not None:
+                        reasons[row], texts[row] = "stop", text[:cut]
+                        continue
+                if len(tokens_out[row]) >= budgets[row]:
+                    reasons[row] = "length"
+                    continue
+                still_active.append(row)
+            active = still_active
+            if not active:
+                break
+            # Finished rows keep decoding a don't-care token; dropping them from the KV cache
+            # would cost more than it saves at these batch sizes.
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], -1)
+            position_ids = position_ids[:, -1:] + 1
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+
+        completions = []
+        for row in range(batch):
+            text = texts[row]
+            if text is None:
+                text = self.tokenizer.decode(tokens_out[row], skip_special_tokens=True)
+            completions.append(Completion(tokens_out[row], logps_out[row], text, reasons[row]))
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._check_alive()
+        state = self.model.state_dict()
+        unknown = sorted(set(weights) - set(state))
+        if unknown:
+            raise KeyError(f"{len(unknown)} weights are not in the model, e.g. {unknown[:5]}")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}; "
+                    f"the model's is {tuple(state[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+
+    def shutdown(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def is_healthy(self) -> bool:
+        return self.model is not None

@@ -1,0 +1,308 @@
+"""The generation engines (HF and vLLM) against the `GenerationEngine` contract.
+
+One vLLM engine serves the whole module (each start costs ~35 s on CPU); the tests that change
+its state run in file order: parity first, then weight syncs (which end on the original
+weights), then the kill test last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from m2po_rllib.rollout.engine import EngineDeadError, SamplingConfig, make_engine
+from m2po_rllib.rollout.vllm_engine import pid_alive, serialize_weight_chunks
+
+PROMPTS = ["1+2=", "what is 3*4? ", "(7-5)*2=", "x"]
+ENGINE_KINDS = ["hf", pytest.param("vllm", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The tiny model's matmuls are far faster on one thread than on two contended ones.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    engine = make_engine("hf", tiny_model_dir)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model_dir):
+    engine = make_engine("vllm", tiny_model_dir, kv_cache_space_gb=1)
+    print(f"vLLM engine start: {engine.startup_seconds:.1f} s")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def engine(request):
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_engine):
+    return [hf_engine.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    from m2po_rllib.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-seed1"), seed=1)
+
+
+def load_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt, tokens, temperature, top_p=1.0):
+    """Behaviour log-probs by one plain forward over prompt + completion, top-p written out
+    as vLLM's rule: drop tokens whose ascending cumulative probability is <= 1 - top_p."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    out = []
+    for step, token in enumerate(tokens):
+        row = logits[step].clone()
+        if top_p < 1:
+            order = row.argsort()  # ascending
+            cum = row[order].softmax(-1).cumsum(-1)
+            for rank, idx in enumerate(order[:-1].tolist()):
+                if cum[rank] <= 1 - top_p:
+                    row[idx] = float("-inf")
+        out.append(row.log_softmax(-1)[token].item())
+    return out
+
+
+def assert_same(groups_a, groups_b):
+    """Same tokens, text and finish reasons; log-probs equal up to kernel round-off."""
+    for group_a, group_b in zip(groups_a, groups_b, strict=True):
+        for a, b in zip(group_a, group_b, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def max_logprob_diff(model, prompts, groups, temperature, top_p=1.0):
+    diff = 0.0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            ref = reference_logprobs(model, prompt, c.token_ids, temperature, top_p)
+            diff = max(diff, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
+    return diff
+
+
+# --- the contract, no engine needed ---------------------------------------------------------
+
+
+def test_make_engine_lists_valid_kinds():
+    with pytest.raises(ValueError, match=r"'hf', 'vllm'"):
+        make_engine("sglang", "/nowhere")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n": 0}, "`n`"),
+        ({"temperature": -1}, "`temperature`"),
+        ({"top_p": 0}, "`top_p`"),
+        ({"max_tokens": 0}, "`max_tokens`"),
+        ({"stop": ["a", ""]}, "`stop`"),
+    ],
+)
+def test_sampling_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_request_seed_is_flat_sample_index():
+    s = SamplingConfig(n=4, seed=100)
+    assert [s.request_seed(i, j) for i in range(2) for j in range(4)] == list(range(100, 108))
+    assert SamplingConfig(n=4).request_seed(1, 2) is None
+
+
+def test_weight_chunks_are_bounded_and_clone_tied_weights():
+    from safetensors.torch import load
+
+    embed = torch.randn(100, 64)
+    fused = torch.randn(3, 64, 64)
+    weights = {"embed": embed, "lm_head": embed, "q": fused[0], "k": fused[1], "v": fused[2]}
+    chunks = list(serialize_weight_chunks(weights, chunk_bytes=2 * 64 * 64 * 4))
+    loaded = {k: v for c in chunks for k, v in load(c).items()}
+    assert len(chunks) == 4  # embed (over the bound, alone) | lm_head | q, k | v
+    assert loaded.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor), name
+    halves = load(next(serialize_weight_chunks({"w": embed}, 2**20, torch.bfloat16)))
+    assert halves["w"].dtype == torch.bfloat16
+
+
+# --- both engines ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_samples_come_back_grouped_in_order(engine, prompt_ids):
+    sampling = SamplingConfig(n=3, max_tokens=10, seed=7)
+    groups = engine.generate(prompt_ids, sampling)
+    assert [len(g) for g in groups] == [3] * len(PROMPTS)
+    for group in groups:
+        for c in group:
+            assert 1 <= len(c.token_ids) == len(c.logprobs) <= 10
+            assert c.finish_reason in ("stop", "length")
+            assert all(lp <= 0 for lp in c.logprobs)
+    # Sample j of prompt i is request i * n + j: alone with that seed, it comes out the same.
+    for i, j in [(2, 0), (1, 2), (3, 1)]:
+        alone = engine.generate([prompt_ids[i]], SamplingConfig(max_tokens=10, seed=7 + 3 * i + j))
+        assert alone[0][0].token_ids == groups[i][j].token_ids, (i, j)
+        assert alone[0][0].logprobs == pytest.approx(groups[i][j].logprobs, abs=1e-4)
+    assert engine.generate([], sampling) == []
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_seeds_make_sampling_reproducible(engine, prompt_ids):
+    def tokens(seed):
+        groups = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=12, seed=seed))
+        return [c.token_ids for g in groups for c in g]
+
+    assert tokens(3) == tokens(3)
+    assert tokens(3) != tokens(4)
+    assert tokens(None) != tokens(None)
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_stop_strings_end_generation(engine, prompt_ids):
+    tok = engine.tokenizer
+    free = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=24, seed=11))
+    checked = 0
+    for i, group in enumerate(free):
+        for j, c in enumerate(group):
+            # Stop on the first single-character token whose character is new in the text, so
+            # the seeded rerun must end exactly there.
+            for k in range(1, len(c.token_ids)):
+                before = tok.decode(c.token_ids[:k], skip_special_tokens=True)
+                char = tok.decode(c.token_ids[k : k + 1])
+                if len(char) == 1 and char not in before:
+                    break
+            else:
+                continue
+            stopped = engine.generate(
+                [prompt_ids[i]], SamplingConfig(max_tokens=24, seed=11 + 2 * i + j, stop=["@@", char])
+            )[0][0]
+            assert stopped.finish_reason == "stop"
+            assert stopped.text == before
+            assert stopped.token_ids == c.token_ids[: k + 1]  # the stop-completing token stays
+            assert len(stopped.logprobs) == k + 1
+            checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.6), (0.0, 1.0)])
+def test_logprobs_are_those_of_the_sampling_distribution(
+    engine, prompt_ids, tiny_model_dir, temperature, top_p
+):
+    model = load_hf(tiny_model_dir)
+    groups = engine.generate(
+        prompt_ids, SamplingConfig(n=2, max_tokens=12, seed=5, temperature=temperature, top_p=top_p)
+    )
+    assert max_logprob_diff(model, prompt_ids, groups, temperature, top_p) < 1e-3
+
+
+@pytest.mark.slow
+def test_greedy_generation_agrees_between_hf_and_vllm(hf_engine, vllm_engine, prompt_ids):
+    sampling = SamplingConfig(n=2, max_tokens=16, temperature=0)
+    hf = hf_engine.generate(prompt_ids, sampling)
+    assert [len(g) for g in hf] == [2] * len(PROMPTS)
+    assert_same(hf, vllm_engine.generate(prompt_ids, sampling))
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
+    engine, prompt_ids, tiny_model_dir, other_model_dir
+):
+    greedy = SamplingConfig(max_tokens=16, temperature=0)
+    sampled = SamplingConfig(n=2, max_tokens=16, seed=9, temperature=0.9)
+    original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
+    before = engine.generate(prompt_ids, greedy)
+    start = engine.version
+
+    assert engine.update_weights(other.state_dict(), start + 1)
+    assert engine.version == start + 1
+    after = engine.generate(prompt_ids, greedy)
+    assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
+    diff = max_logprob_diff(other, prompt_ids, engine.generate(prompt_ids, sampled), 0.9)
+    print(f"{type(engine).__name__}: max |logp - transformers| after sync = {diff:.2e}")
+    assert diff < 1e-3
+
+    # A duplicate or stale sync changes nothing, not even with different weights.
+    assert not engine.update_weights(original.state_dict(), start + 1)
+    assert not engine.update_weights(original.state_dict(), start)
+    assert engine.version == start + 1
+    assert_same(engine.generate(prompt_ids, greedy), after)
+
+    # Back to the original weights in small chunks (layers straddle chunks on vLLM).
+    if hasattr(engine, "sync_chunk_bytes"):
+        engine.sync_chunk_bytes, chunk_bytes = 50_000, engine.sync_chunk_bytes
+    try:
+        assert engine.update_weights(original.state_dict(), start + 2)
+    finally:
+        if hasattr(engine, "sync_chunk_bytes"):
+            engine.sync_chunk_bytes = chunk_bytes
+    if hasattr(engine, "last_sync_stats"):
+        assert engine.last_sync_stats["chunks"] > 10
+    assert_same(engine.generate(prompt_ids, greedy), before)
+    assert max_logprob_diff(original, prompt_ids, engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+
+
+def test_hf_engine_rejects_unknown_or_misshapen_weights(hf_engine):
+    with pytest.raises(KeyError, match="not in the model"):
+        hf_engine.update_weights({"model.nope.weight": torch.zeros(1)}, hf_engine.version + 1)
+    with pytest.raises(ValueError, match="shape"):
+        hf_engine.update_weights({"model.norm.weight": torch.zeros(3)}, hf_engine.version + 1)
+
+
+def test_hf_engine_after_shutdown(tiny_model_dir, prompt_ids):
+    engine = make_engine("hf", tiny_model_dir)
+    assert engine.is_healthy()
+    engine.shutdown()
+    engine.shutdown()
+    assert not engine.is_healthy()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.generate(prompt_ids, SamplingConfig())
+
+
+# --- last: kills the shared vLLM engine -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_killed_vllm_worker_makes_engine_unhealthy(vllm_engine, prompt_ids):
+    assert vllm_engine.is_healthy()
+    pids = list(vllm_engine.worker_pids)
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while vllm_engine.is_healthy() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not vllm_engine.is_healthy()
+    with pytest.raises(EngineDeadError, match="dead"):
+        vllm_engine.generate(prompt_ids, SamplingConfig(max_tokens=4))
+    with pytest.raises(EngineDeadError):
+        vllm_engine.update_weights({}, vllm_engine.version + 1)
+    vllm_engine.shutdown()
+    core_pids = [p.pid for p in vllm_engine._core_processes]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in pids + core_pids):
+        assert time.monotonic() < deadline, "vLLM processes outlived shutdown()"
+        time.sleep(0.1)

@@ -1,1 +1,30 @@
-"""Gymnasium text-generation environments for verifiable math tasks."""
+"""Gymnasium text-generation environments for verifiable math tasks.
+
+Importing `envs` registers `m2po/Arithmetic-v0` and `m2po/MathDataset-v0` with gymnasium.
+In a process that has not imported it (a fresh Ray worker), `gymnasium.make` also accepts
+"envs:m2po/Arithmetic-v0", which imports this package first.
+"""
+
+from envs.arithmetic import ArithmeticTasks
+from envs.datasets import DatasetTasks
+from envs.reward import MathVerifier, Verdict, math_reward, shared_verifier
+from envs.tasks import Problem, TaskSource
+from envs.templates import render_prompt
+from envs.text_env import ArithmeticEnv, MathDatasetEnv, MathTextEnv, register_envs
+
+register_envs()
+
+__all__ = [
+    "ArithmeticEnv",
+    "ArithmeticTasks",
+    "DatasetTasks",
+    "MathDatasetEnv",
+    "MathTextEnv",
+    "MathVerifier",
+    "Problem",
+    "TaskSource",
+    "Verdict",
+    "math_reward",
+    "render_prompt",
+    "shared_verifier",
+]

@@ -1,0 +1,238 @@
+"""Gymnasium text environments: the prompt is the observation, the completion the action.
+
+    env = gymnasium.make("m2po/Arithmetic-v0", digits=3, template="plain")
+    obs, info = env.reset(seed=7)          # obs["prompt"]: str; info["answer"], info["problem_id"]
+    obs, reward, terminated, truncated, info = env.step("... \\boxed{579}")
+
+Observation: a dict with "prompt" (the rendered prompt, or the whole conversation so far
+in a multi-turn episode) and, when a tokenizer is bound, "prompt_token_ids" (int64
+array; special tokens are added for non-chat templates, the chat template already has
+them). Action: the completion text (str; bytes or None are accepted and scored 0 if
+unreadable). Reward: 1.0 for a correct final answer, else 0.0, from `envs.reward`.
+
+Episodes. `reset(seed=s)` picks the problem from `s` alone, so G copies reset with the
+same seed share a prompt (GRPO groups); `reset(options={"index": i})` takes problem i of
+the split (held-out evaluation enumerates `range(env.num_problems)`). With max_turns=1 an
+episode is one step. With max_turns > 1 a wrong answer appends the completion and
+`feedback(...)` to the conversation and the episode goes on; override `feedback` for
+other multi-turn tasks.
+
+Scoring many completions at once (the runner's hot path): `env.score_batch(completions,
+answers)`, or `envs.shared_verifier().check_batch(pairs)` directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from envs.answers import to_text
+from envs.arithmetic import ArithmeticTasks
+from envs.datasets import DatasetTasks
+from envs.reward import Verdict, shared_verifier
+from envs.tasks import Problem, TaskSource, check_split
+from envs.templates import INSTRUCTION, render_prompt
+
+MAX_TEXT_CHARS = 1 << 20
+
+
+class AnyText(spaces.Text):
+    """A Text space that contains any str up to max_length (Text's charset is alphanumeric)."""
+
+    def contains(self, x) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+
+def load_tokenizer(tokenizer):
+    """A tokenizer object as given, or one loaded with AutoTokenizer from a local path/name."""
+    if tokenizer is None or not isinstance(tokenizer, str):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer)
+
+
+class MathTextEnv(gym.Env):
+    """A single- or multi-turn math episode over any task source (`envs.tasks.TaskSource`).
+
+    Args:
+        tasks: where problems come from (ArithmeticTasks, DatasetTasks, ...).
+        split: "train" or "heldout".
+        template: a named prompt template ("plain", "chat", "compact") or a "{question}" format.
+        tokenizer: a HF tokenizer, or a local path/name to load; adds "prompt_token_ids".
+        max_turns: attempts per episode; > 1 gives feedback after a wrong answer.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        tasks: TaskSource,
+        split: str = "train",
+        template: str = "plain",
+        tokenizer=None,
+        max_turns: int = 1,
+    ):
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer >= 1")
+        self.tasks = tasks
+        self.split = check_split(split)
+        self.template = template
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.max_turns = max_turns
+        render_prompt("1+1", template, self.tokenizer)  # fail now on a bad template, not at reset
+        obs = {"prompt": AnyText(MAX_TEXT_CHARS)}
+        if self.tokenizer is not None:
+            obs["prompt_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
+        self.observation_space = spaces.Dict(obs)
+        self.action_space = AnyText(MAX_TEXT_CHARS)
+        self.problem: Problem | None = None
+        self.messages: list[dict] = []
+        self.turn = 0
+        self._done = True
+        self._obs: dict = {}
+
+    @property
+    def num_problems(self) -> int | None:
+        """Problems in this env's split (None: unbounded, any index >= 0 is valid)."""
+        return self.tasks.num_problems(self.split)
+
+    # -- episode ------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        unknown = set(options) - {"index"}
+        if unknown:
+            raise ValueError(f"unknown reset options {sorted(unknown)}; valid: ['index']")
+        if "index" in options:
+            self.problem = self.tasks.problem(int(options["index"]), self.split)
+        elif seed is not None:
+            # From the seed alone (not the env's history): same seed, same prompt.
+            self.problem = self.tasks.sample(np.random.default_rng(seed), self.split)
+        else:
+            self.problem = self.tasks.sample(self.np_random, self.split)
+        self.messages = [{"role": "user", "content": self.problem.question}]
+        self.turn = 0
+        self._done = False
+        self._obs = self._observation()
+        return self._obs, self._info()
+
+    def step(self, action):
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        verdict = shared_verifier().check(action, self.problem.answer)
+        self.turn += 1
+        terminated = verdict.correct or self.turn >= self.max_turns
+        if not terminated:
+            self.messages.append({"role": "assistant", "content": _as_text(action)})
+            self.messages.append({"role": "user", "content": self.feedback(verdict, action)})
+            self._obs = self._observation()
+        self._done = terminated
+        info = self._info()
+        info.update(correct=verdict.correct, extracted=verdict.extracted, verifier=verdict.verifier)
+        return self._obs, verdict.reward, terminated, False, info
+
+    def feedback(self, verdict: Verdict, completion) -> str:
+        """The user's reply after a wrong answer in a multi-turn episode (override to change)."""
+        if verdict.extracted is None:
+            return f"I could not find a final answer. {INSTRUCTION}"
+        return f"The answer {verdict.extracted} is not correct. Try again. {INSTRUCTION}"
+
+    # -- batched scoring ----------------------------------------------------------------
+    @staticmethod
+    def score_batch(completions, answers) -> list[float]:
+        """Rewards of many completions against their gold answers (slow ones in parallel)."""
+        if len(completions) != len(answers):
+            raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")
+        return shared_verifier().score_batch(list(zip(completions, answers)))
+
+    # -- rendering ----------------------------------------------------------------------
+    def render_conversation(self) -> str:
+        """The prompt text: the first question through the template, then the later turns
+        (the chat template's own turns; or, for text templates, each completion followed by
+        a blank line, the feedback and "Answer:")."""
+        if self.template == "chat":
+            first = {"role": "user", "content": f"{self.messages[0]['content']}\n{INSTRUCTION}"}
+            return self.tokenizer.apply_chat_template(
+                [first, *self.messages[1:]], tokenize=False, add_generation_prompt=True
+            )
+        # Plain text: each completion, a blank line, the feedback, and a new "Answer:" cue.
+        text = render_prompt(self.messages[0]["content"], self.template, self.tokenizer)
+        for message in self.messages[1:]:
+            if message["role"] == "assistant":
+                text += message["content"] + "\n\n"
+            else:
+                text += message["content"] + "\nAnswer:"
+        return text
+
+    def _observation(self) -> dict:
+        prompt = self.render_conversation()
+        obs = {"prompt": prompt}
+        if self.tokenizer is not None:
+            ids = self.tokenizer(prompt, add_special_tokens=self.template != "chat")["input_ids"]
+            obs["prompt_token_ids"] = np.asarray(ids, dtype=np.int64)
+        return obs
+
+    def _info(self) -> dict:
+        return {
+            "answer": self.problem.answer,
+            "problem_id": self.problem.id,
+            "question": self.problem.question,
+            "split": self.split,
+            "turn": self.turn,
+        }
+
+
+def _as_text(action) -> str:
+    try:
+        return to_text(action)
+    except TypeError:
+        return ""
+
+
+_ENV_KEYS = ("split", "template", "tokenizer", "max_turns")
+
+
+def _split_config(task_cls, kwargs: dict, env_id: str) -> tuple[dict, dict]:
+    task_keys = [p for p in inspect.signature(task_cls).parameters]
+    unknown = [k for k in kwargs if k not in task_keys and k not in _ENV_KEYS]
+    if unknown:
+        raise ValueError(
+            f"{env_id}: unknown env_config key(s) {unknown}; valid keys are "
+            f"{sorted(task_keys)} (task) and {list(_ENV_KEYS)} (env)"
+        )
+    task_kw = {k: v for k, v in kwargs.items() if k in task_keys}
+    env_kw = {k: v for k, v in kwargs.items() if k in _ENV_KEYS}
+    return task_kw, env_kw
+
+
+class ArithmeticEnv(MathTextEnv):
+    """`m2po/Arithmetic-v0`: env_config is ArithmeticTasks' knobs plus the MathTextEnv keys."""
+
+    def __init__(self, **env_config):
+        task_kw, env_kw = _split_config(ArithmeticTasks, env_config, "m2po/Arithmetic-v0")
+        super().__init__(ArithmeticTasks(**task_kw), **env_kw)
+
+
+class MathDatasetEnv(MathTextEnv):
+    """`m2po/MathDataset-v0`: env_config is DatasetTasks' arguments plus the MathTextEnv keys."""
+
+    def __init__(self, **env_config):
+        task_kw, env_kw = _split_config(DatasetTasks, env_config, "m2po/MathDataset-v0")
+        super().__init__(DatasetTasks(**task_kw), **env_kw)
+
+
+ENV_IDS = {
+    "m2po/Arithmetic-v0": "envs.text_env:ArithmeticEnv",
+    "m2po/MathDataset-v0": "envs.text_env:MathDatasetEnv",
+}
+
+
+def register_envs() -> None:
+    """Register the env ids with gymnasium (idempotent)."""
+    for env_id, entry_point in ENV_IDS.items():
+        if env_id not in gym.registry:
+            gym.register(id=env_id, entry_point=entry_point, disable_env_checker=False)

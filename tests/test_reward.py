@@ -1,0 +1,390 @@
+"""The verifier reward: answer extraction, the exact fast path, and the isolated math-verify pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envs import MathVerifier, math_reward
+from envs.answers import TAIL_CHARS, extract_answer, normalize_gold, parse_simple_number
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """A verifier with short math-verify timeouts, so hostile samples cost about a second."""
+    v = MathVerifier(num_workers=2, timeout_s=1, deadline_s=4.0)
+    yield v
+    v.close()
+
+
+def warm(v: MathVerifier) -> None:
+    """Make sure a child is up, so a timed call measures verification, not interpreter start-up."""
+    assert v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}").verifier == "slow"
+
+
+# -- extraction ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, answer, source",
+    [
+        (r"so the answer is \boxed{42}.", "42", "boxed"),
+        ("work 7 and 9\n#### 16\n", "16", "####"),
+        ("3 apples and then 5 apples", "5", "number"),
+        (r"#### 7 but finally \boxed{8}", "8", "boxed"),  # boxed outranks ####
+        ("#### 12 apples\nthen 99 more", "12 apples", "####"),  # #### outranks the last number
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", "boxed"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}", "boxed"),  # escaped braces are not structural
+        (r"\boxed{\boxed{5}}", "5", "boxed"),
+        (r"\fbox{6}", "6", "boxed"),
+        (r"first \boxed{3} then truncated \boxed{4", "3", "boxed"),  # only balanced boxes count
+        ("it costs 1,234,567 dollars", "1,234,567", "number"),
+        ("half is 1/2.", "1/2", "number"),
+        ("the value is -3.25", "-3.25", "number"),
+        ("", None, None),
+        ("no digits here", None, None),
+    ],
+)
+def test_extraction_order(text, answer, source):
+    found = extract_answer(text)
+    assert (found.answer, found.source, found.hedged) == (answer, source, False)
+
+
+def test_only_the_tail_is_searched():
+    early = r"\boxed{1}" + "x" * TAIL_CHARS
+    assert extract_answer(early).answer is None
+    assert extract_answer("y" * 10 * TAIL_CHARS + r"\boxed{2}").answer == "2"
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        r"\boxed{18} or maybe \boxed{19}",
+        r"\boxed{18 \text{ or } 19}",
+        r"\boxed{18 or 19}",
+        "The answer is 18 or 19.",
+        "It is either 19, or 18",
+        "#### 18 or 19",
+    ],
+)
+@pytest.mark.parametrize("gold", ["18", "19"])
+def test_hedged_answers_are_not_rewarded(verifier, completion, gold):
+    verdict = verifier.check(completion, gold)
+    assert verdict.reward == 0.0 and verdict.verifier == "fast"
+
+
+def test_repeating_one_answer_is_not_a_hedge(verifier):
+    assert verifier.score(r"\boxed{18}, so again: \boxed{ 18 }", "18") == 1.0
+
+
+def test_or_in_the_gold_answer_is_not_a_hedge(verifier):
+    assert not extract_answer(r"\boxed{A or B}", allow_or=True).hedged
+    assert verifier.check(r"\boxed{\text{A or B}}", r"\text{A or B}").verifier == "slow"
+
+
+# -- fast path -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", Fraction(42)),
+        ("-42", Fraction(-42)),
+        ("1,234", Fraction(1234)),
+        ("1,234,567.5", Fraction(2469135, 2)),
+        ("3.50", Fraction(7, 2)),
+        (".5", Fraction(1, 2)),
+        ("3/4", Fraction(3, 4)),
+        (r"\frac{3}{4}", Fraction(3, 4)),
+        (r"-\dfrac{3}{4}", Fraction(-3, 4)),
+        ("$42$", Fraction(42)),
+        (r"\$42", Fraction(42)),
+        ("42.", Fraction(42)),
+        (r"579 \text{ apples}", Fraction(579)),
+        ("42 dollars", Fraction(42)),
+        ("1{,}000", Fraction(1000)),
+        ("\u22127", Fraction(-7)),
+        # Not simple numbers: left to math-verify.
+        ("1,23", None),
+        ("12,34,567", None),
+        ("1/0", None),
+        ("x=5", None),
+        ("2x", None),
+        (r"\sqrt{2}", None),
+        ("9" * 65, None),
+        ("\u00b2", None),
+    ],
+)
+def test_parse_simple_number(text, value):
+    assert parse_simple_number(text) == value
+
+
+FAST_ONLY = MathVerifier()  # used only for fast-path cases, so it never starts a child
+
+
+@given(st.integers(-(10**15), 10**15), st.sampled_from(["{:d}", "{:,d}"]))
+@settings(max_examples=200, deadline=None)
+def test_integers_are_exact_in_every_format(n, fmt):
+    for completion in (rf"so \boxed{{{fmt.format(n)}}}.", f"steps\n#### {fmt.format(n)}", f"it is {fmt.format(n)}"):
+        for gold in (str(n), f"{n:,d}"):
+            v = FAST_ONLY.check(completion, gold)
+            assert (v.reward, v.verifier) == (1.0, "fast")
+            assert FAST_ONLY.check(completion, str(n + 1)).reward == 0.0
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6 - 1))
+@settings(max_examples=200, deadline=None)
+def test_decimals_match_a_plain_reference(whole, frac):
+    text = f"{whole}.{frac:06d}"
+    assert parse_simple_number(text) == Fraction(whole * 10**6 + frac, 10**6)
+
+
+@given(st.integers(1, 999), st.integers(1, 999), st.integers(1, 50))
+@settings(max_examples=100, deadline=None)
+def test_equal_fractions_in_any_form_are_correct(a, b, k):
+    gold = rf"\frac{{{a}}}{{{b}}}"
+    assert FAST_ONLY.score(rf"\boxed{{\frac{{{a * k}}}{{{b * k}}}}}", gold) == 1.0
+    assert FAST_ONLY.score(rf"\boxed{{{a * k}/{b * k}}}", gold) == 1.0
+    assert FAST_ONLY.score(rf"\boxed{{\frac{{{a * k + 1}}}{{{b * k}}}}}", gold) == 0.0
+    assert FAST_ONLY.child_pids() == []
+
+
+def test_fast_path_starts_no_child():
+    v = MathVerifier()
+    assert v.score_batch([(r"\boxed{5}", "5"), ("#### 1,000", "1000"), ("nothing", "3")]) == [1.0, 1.0, 0.0]
+    assert v.child_pids() == []
+    m = v.metrics()
+    assert (m["reward/fast_path"], m["reward/slow_path"], m["reward/no_answer"]) == (3, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "gold, normalised",
+    [
+        ("She has 3 + 4 = <<3+4=7>>7.\n#### 7", "7"),
+        ("#### 1,234", "1234"),
+        (r"so the answer is $\boxed{\frac{5}{6}}$.", r"\frac{5}{6}"),
+        ("$42$", "42"),
+        (r"\$1,200", "1200"),
+        ("(1,2)", "(1,2)"),
+        (" 5 ", "5"),
+        (17, "17"),
+    ],
+)
+def test_normalize_gold(gold, normalised):
+    assert normalize_gold(gold) == normalised
+
+
+# -- slow path (math-verify in a child) ------------------------------------------------------
+@pytest.mark.parametrize(
+    "completion, gold, reward",
+    [
+        (r"\boxed{\sqrt 2}", r"\sqrt{2}", 1.0),
+        (r"\boxed{x^2+1}", "1+x^2", 1.0),
+        (r"\boxed{\frac{2}{4}}", r"\frac12", 1.0),
+        (r"\boxed{2\pi}", r"\pi", 0.0),
+        (r"\boxed{\{2, -2\}}", r"\{-2, 2\}", 1.0),
+        (r"\boxed{18, 19}", "18", 0.0),
+        (r"\boxed{50\%}", r"\frac{1}{2}", 1.0),
+    ],
+)
+def test_slow_path_uses_math_verify(verifier, completion, gold, reward):
+    verdict = verifier.check(completion, gold)
+    assert (verdict.reward, verdict.verifier) == (reward, "slow")
+
+
+def test_score_batch_matches_score_and_counts(verifier):
+    pairs = [
+        (r"\boxed{\sqrt 8}", r"2\sqrt{2}"),
+        (r"\boxed{3}", "3"),
+        (r"\boxed{\frac{\pi}{2}}", r"\pi/2"),
+        ("nothing", "1"),
+        (r"\boxed{\sqrt 3}", r"\sqrt{2}"),
+    ]
+    before = verifier.metrics()
+    assert verifier.score_batch(pairs) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [verifier.score(c, g) for c, g in pairs] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    after = verifier.metrics()
+    assert after["reward/slow_path"] - before["reward/slow_path"] == 6
+    assert after["reward/fast_path"] - before["reward/fast_path"] == 4
+
+
+def test_metrics_reset():
+    v = MathVerifier()
+    v.score(r"\boxed{1}", "1")
+    assert v.metrics(reset=True)["reward/fast_path"] == 1
+    assert v.metrics()["reward/fast_path"] == 0
+
+
+def test_math_reward_module_function():
+    assert math_reward(r"The total is \boxed{579}.", "579") == 1.0
+    assert math_reward(r"The total is \boxed{578}.", "579") == 0.0
+    assert math_reward(r"\boxed{\sqrt{4}}", "2") == 1.0  # not a simple number: math-verify
+
+
+def test_children_are_isolated_fresh_interpreters(verifier):
+    warm(verifier)
+    for pid in verifier.child_pids():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[1].endswith(b"_verify_child.py")  # a fresh interpreter, not a fork of this one
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"SYMPY_GROUND_TYPES=python" in f.read().split(b"\0")
+        with open(f"/proc/{pid}/limits") as f:
+            limit = next(line for line in f if line.startswith("Max address space"))
+        assert limit.split()[3] == str(verifier.memory_limit_mb << 20)
+
+
+def test_a_broken_install_is_loud_not_a_silent_zero(tmp_path, monkeypatch):
+    script = tmp_path / "child.py"
+    script.write_text('print(\'{"ready": false, "error": "ImportError: no math_verify"}\', flush=True)\n')
+    monkeypatch.setattr("envs.reward._CHILD_SCRIPT", str(script))
+    with MathVerifier() as v:
+        with pytest.raises(RuntimeError, match="failed to start.*math_verify"):
+            v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}")
+        assert v.score(r"\boxed{2}", "2") == 1.0  # the fast path still works
+
+
+def test_float_timeouts_are_rejected():
+    with pytest.raises(ValueError, match="integer"):
+        MathVerifier(timeout_s=1.5)
+
+
+def test_deadline_kills_and_replaces_a_stuck_child():
+    # math-verify's own alarm (30 s) is far away: only the parent's deadline can stop this.
+    with MathVerifier(timeout_s=30, deadline_s=1.0) as v:
+        warm(v)
+        (pid,) = v.child_pids()
+        start = time.monotonic()
+        verdict = v.check(r"\boxed{9^{9^{9^{9}}}}", "1")
+        assert time.monotonic() - start < 3 * v.deadline_s
+        assert (verdict.reward, verdict.verifier) == (0.0, "timeout")
+        assert not os.path.exists(f"/proc/{pid}/status") or _is_zombie_free(pid)
+        assert v.child_pids() != [pid]
+        assert v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}").reward == 1.0
+        m = v.metrics()
+        assert (m["reward/timeouts"], m["reward/child_restarts"]) == (1, 1)
+
+
+def _is_zombie_free(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        return "State:\tZ" not in f.read()
+
+
+def test_a_crashed_child_is_an_error_and_is_replaced():
+    with MathVerifier() as v:
+        warm(v)
+        (pid,) = v.child_pids()
+        os.kill(pid, signal.SIGKILL)
+        verdict = v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}")
+        assert (verdict.reward, verdict.verifier) == (0.0, "error")
+        assert v.metrics()["reward/errors"] == 1
+        assert v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}").reward == 1.0
+
+
+def test_children_are_recycled():
+    with MathVerifier(max_tasks_per_child=2) as v:
+        pids = set()
+        for _ in range(5):
+            assert v.score(r"\boxed{\sqrt 2}", r"\sqrt{2}") == 1.0
+            pids.update(v.child_pids())
+        assert v.metrics()["reward/child_restarts"] == 2
+        assert len(pids) == 3
+
+
+# -- hostile input ---------------------------------------------------------------------------
+def _hostile(tmp: str) -> list[tuple[str, object, str]]:
+    payload = f"__import__('os').system('touch {tmp}')"
+    nested_braces = "{" * 10_000 + "1" + "}" * 10_000
+    nested_parens = "(" * 10_000 + "1" + ")" * 10_000
+    return [
+        ("empty", "", "1"),
+        ("None", None, "1"),
+        ("bytes", b"\\boxed{7}", "7"),
+        ("invalid utf-8", b"\xff\xfe\\boxed{7}\xc3", "7"),
+        ("lone surrogate", "\ud800\\boxed{7}", "7"),
+        ("1 MB", "9" * 1_000_000, "9"),
+        ("1 MB of boxes", r"\boxed{1}" * 120_000, "1"),
+        ("1 MB unclosed boxes", r"\boxed{" * 150_000, "1"),
+        ("10k braces", nested_braces, "1"),
+        ("10k braces boxed", r"\boxed{" + nested_braces + "}", r"\sqrt{2}"),
+        ("10k parens", nested_parens, r"\sqrt{2}"),
+        ("10k parens boxed", r"\boxed{" + nested_parens + "}", r"\sqrt{2}"),
+        ("deep parens boxed", r"\boxed{" + "(" * 12 + "1" + ")" * 12 + "}", r"\sqrt{2}"),
+        ("power tower", r"\boxed{9^{9^{9^{9}}}}", "1"),
+        ("power tower text", "so it is $9^{9^{9^{9}}}$", r"\sqrt{2}"),
+        ("factorial", r"\boxed{(10^{10})!}", "3"),
+        ("double factorial", r"\boxed{100000!!}", "3"),
+        ("huge product", r"\boxed{99999999^{99999999} \cdot 88888888^{88888888}}", "3"),
+        ("huge number", r"\boxed{" + "9" * 5000 + "}", "9"),
+        ("payload boxed", rf"\boxed{{{payload}}}", r"\sqrt{2}"),
+        ("payload math", f"${payload}$", r"\sqrt{2}"),
+        ("payload text", rf"\boxed{{\text{{{payload}}}}}", r"\sqrt{2}"),
+        ("payload dollar boxed", rf"\boxed{{${payload}$}}", r"\sqrt{2}"),
+        ("payload plain", payload, r"\sqrt{2}"),
+        ("payload ####", f"#### {payload}", r"\sqrt{2}"),
+        ("payload gold", r"\boxed{1}", payload),
+        ("eval-style", r"\boxed{\text{eval}(\text{'1'})}", "1"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_hostile("x"))), ids=[c[0] for c in _hostile("x")])
+def test_hostile_input_returns_a_reward_in_time_without_side_effects(verifier, tmp_path, case):
+    marker = tmp_path / "pwned"
+    name, completion, gold = _hostile(str(marker))[case]
+    warm(verifier)
+    start = time.monotonic()
+    verdict = verifier.check(completion, gold)
+    elapsed = time.monotonic() - start
+    assert elapsed < 3 * verifier.deadline_s, f"{name}: {elapsed:.1f} s"
+    assert verdict.reward in (0.0, 1.0)
+    assert verdict.verifier in ("fast", "slow", "timeout", "error")
+    assert not marker.exists()
+    if name in ("bytes", "invalid utf-8", "lone surrogate", "1 MB of boxes"):
+        assert verdict.reward == 1.0
+    elif name != "payload gold":
+        assert verdict.reward == 0.0
+    if name.startswith("payload") and "boxed" in name:
+        assert verdict.verifier != "fast"  # it really reached math-verify
+    # The pool is still usable afterwards.
+    assert verifier.score(r"\boxed{\sqrt 2}", r"\sqrt{2}") == 1.0
+
+
+def test_programming_errors_still_raise(verifier):
+    with pytest.raises(TypeError):
+        verifier.score(["not", "text"], "1")
+    with pytest.raises(TypeError):
+        verifier.score("1", None)
+
+
+def test_calls_from_several_threads(verifier):
+    cases = [
+        (r"\boxed{12}", "12", 1.0),
+        (r"\boxed{13}", "12", 0.0),
+        (r"\boxed{\sqrt 8}", r"2\sqrt{2}", 1.0),
+        (r"\boxed{\sqrt 7}", r"2\sqrt{2}", 0.0),
+        (r"\boxed{9^{9^{9^{9}}}}", "3", 0.0),
+        (None, "3", 0.0),
+    ]
+    results: dict[tuple[int, int], float] = {}
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i, (completion, gold, _) in enumerate(cases):
+                results[t, i] = verifier.score(completion, gold)
+            results[t, -1] = math_reward(r"\boxed{\frac{1}{2}}", "0.5")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    for t in range(4):
+        assert [results[t, i] for i in range(len(cases))] == [c[2] for c in cases]
+        assert results[t, -1] == 1.0

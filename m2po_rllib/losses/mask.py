@@ -1,0 +1,294 @@
+"""The second-moment trust region: M2PO's token mask and the official code's clip bound.
+
+Both are searches over the largest squared log-ratios d = (log r)^2 of a batch. Neither
+sorts the whole batch: one reduction gives the batch's sum of d, its token count and the
+number of tokens above the threshold (an upper bound on how many tokens the search can
+touch); only then are the top values fetched, with `torch.topk`, in a few widening
+rounds. Across data-parallel ranks the same search runs on all-reduced sums and on the
+merged per-rank top-m lists: any global top-m value is in its own rank's top-m, so the
+merged prefix is exact and every rank reaches the same cut. Only O(m * world) values
+travel, and nothing at all beyond three scalars when the batch is already within the
+threshold (the common case).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from m2po_rllib.losses._dist import all_gather_cat, all_reduce_sum, world_size
+
+__all__ = ["m2po_keep_mask", "m2po_keep_mask_global", "m2po_official_tau"]
+
+# First top-k size of the search: max(_FIRST_TOP, n / _FIRST_TOP_FRACTION), widened
+# _WIDEN x per round. M2PO masks ~0.06% of tokens (paper, s=256): one round.
+_FIRST_TOP = 4096
+_FIRST_TOP_FRACTION = 256
+_WIDEN = 8
+_NOT_A_CANDIDATE = -1.0  # d >= 0 for every candidate, so -1 sorts below all of them
+
+
+def _check_inputs(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float, what: str):
+    if log_ratio.shape != valid.shape:
+        raise ValueError(
+            f"log_ratio {tuple(log_ratio.shape)} and valid {tuple(valid.shape)} must have one shape"
+        )
+    if math.isnan(threshold) or threshold < 0:
+        raise ValueError(
+            f"{what} must be >= 0 (0 keeps only tokens with log-ratio exactly 0, "
+            f"inf disables the trust region); got {threshold}"
+        )
+
+
+def _largest_f32_at_most(x: float) -> float:
+    """The largest float32 <= x, so that `d > it` on float32 d means exactly `d > x`."""
+    t = torch.tensor(x, dtype=torch.float32)
+    if t.item() > x:
+        t = torch.nextafter(t, torch.tensor(-math.inf))
+    return t.item()
+
+
+def _global_top(d: torch.Tensor, m: int, n: int, group):
+    """The m largest candidates of `d` over all ranks, and the sum of all the others.
+
+    `d` holds d >= 0 on the n candidates (n over all ranks, m <= n) and -1 elsewhere.
+    Returns `top` (m,) descending and `rest` (m + 1,), float64, with rest[k] the sum of
+    every candidate but top[:k]. It is summed directly, not as total - prefix, so there
+    is no cancellation: tiny remainders after large values stay exact enough to compare.
+    """
+    flat = d.reshape(-1)
+    top = flat.topk(min(m, flat.numel())).values
+    if top.numel() < m:
+        top = torch.cat([top, top.new_full((m - top.numel(),), _NOT_A_CANDIDATE)])
+    if world_size(group) > 1:
+        top = all_gather_cat(top, group).topk(m).values
+    smallest = top[-1]
+    below = flat < smallest
+    sums = torch.stack(
+        [
+            torch.where(below, flat, 0.0).clamp_min(0).sum(dtype=torch.float64),
+            torch.count_nonzero(below & (flat >= 0)).double(),
+        ]
+    )
+    below_sum, n_below = all_reduce_sum(sums, group)
+    # candidates equal to the m-th value that did not make it into the list
+    rest_of_list = below_sum + (n - m - n_below) * smallest.double()
+    top = top.double()
+    suffix = top.flip(0).cumsum(0).flip(0)  # suffix[k] = sum(top[k:])
+    rest = torch.cat([suffix, suffix.new_zeros(1)]) + rest_of_list
+    return top, rest
+
+
+def _first_true(ok: torch.Tensor) -> int | None:
+    """Index of the first True in a 1-D bool tensor, or None."""
+    if ok.numel() == 0:
+        return None
+    i = int(ok.to(torch.uint8).argmax())
+    return i if bool(ok[i]) else None
+
+
+@torch.no_grad()
+def _m2po_cut(log_ratio, valid, threshold: float, group):
+    """Shared body of the M2PO masks: (keep (B, T) bool, global sums as python floats)."""
+    _check_inputs(log_ratio, valid, threshold, "m2_threshold")
+    valid = valid.bool()
+    lr = log_ratio.detach().float()
+    finite = valid & torch.isfinite(lr)
+    d = torch.where(finite, lr * lr, _NOT_A_CANDIDATE)  # (B, T)
+    above = d > _largest_f32_at_most(threshold)
+    sums = torch.stack(
+        [
+            d.clamp_min(0).sum(dtype=torch.float64),
+            torch.count_nonzero(finite).double(),
+            torch.count_nonzero(above).double(),
+        ]
+    )
+    total, n, n_above = all_reduce_sum(sums, group).tolist()
+    stats = {"sum": total, "n": n}
+    if n == 0 or total <= threshold * n or n_above == 0:  # the last: float64 rounding
+        return finite, stats
+
+    # M2PO Alg. 1 (arXiv 2510.01161): drop the largest d until the kept mean is <= tau.
+    # Dropping every d > tau always suffices, so the cut lies within the top n_above.
+    n_above = int(n_above)
+    m = min(n_above, max(_FIRST_TOP, int(n) // _FIRST_TOP_FRACTION))
+    while True:
+        top, rest = _global_top(d, m, int(n), group)  # (m,) descending, (m + 1,)
+        dropped = torch.arange(1, m + 1, device=top.device, dtype=torch.float64)
+        ok = (rest[1:] <= threshold * (n - dropped)) | (dropped == n)
+        k = _first_true(ok)
+        if k is not None:
+            # Ties at the cut go together: the mask depends on values only, never on
+            # token order, so every batch layout and sharding gives the same kept set.
+            cut = top[k].float()
+            return finite & (d < cut), stats
+        if m >= n_above:
+            # Only float64 rounding can get here; dropping all d > tau is exactly valid.
+            return finite & ~above, stats
+        m = min(n_above, _WIDEN * m)
+
+
+def m2po_keep_mask(
+    log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float = 0.04
+) -> torch.Tensor:
+    """M2PO's token mask (Alg. 1, arXiv 2510.01161) over one batch, on this process only.
+
+    Let d = log_ratio**2 over the valid tokens and M2 = mean(d). While M2 > threshold the
+    largest d is dropped and M2 recomputed over the rest; the result marks the tokens that
+    stay in the loss. Vectorised: one reduction, then `topk` + suffix sums, no sort of
+    the whole batch and no loop over tokens. No gradient flows through the mask.
+
+    Args:
+        log_ratio: (B, T) log pi_theta - log pi_behav, any float dtype (the search runs in
+            float32 with float64 sums).
+        valid: (B, T) bool (or 0/1), True on response tokens; padding is ignored
+            whatever its log_ratio holds (NaN included).
+        threshold: tau >= 0 (paper: 0.04). 0 keeps exactly the tokens with log_ratio == 0;
+            inf keeps every finite token. Negative or NaN raises ValueError.
+
+    Returns:
+        (B, T) bool, True for tokens that stay in the loss; always False on padding.
+
+    Defined edge cases:
+        - Ties at the cut are dropped together, so the mask is a function of the values
+          alone (same result for any token order or split of the batch). It can drop a
+          few more tokens than the minimal count; putting the smallest dropped value
+          back (all its copies) always breaks the bound.
+        - No valid tokens: all False. M2 already <= threshold: keep every valid token.
+        - Every token above threshold: dropping continues; when no non-empty set is
+          within the bound, every token is dropped (the loss is then 0 with zero grad).
+        - NaN or +-inf log_ratio on a valid token: the token is dropped, as the largest
+          possible d, and the search runs over the finite tokens; nothing raises, so one
+          bad log-prob cannot stop a run (the loss reports them as
+          `policy/nonfinite_tokens`).
+    """
+    return _m2po_cut(log_ratio, valid, float(threshold), group=None)[0]
+
+
+def m2po_keep_mask_global(
+    log_ratio: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float = 0.04,
+    group=None,
+    *,
+    return_stats: bool = False,
+):
+    """`m2po_keep_mask` over the union of the batches of every rank in `group`.
+
+    Each rank passes its own shard (any number of rows, possibly none valid) and gets
+    back the mask of its shard; the kept set equals `m2po_keep_mask` on the concatenated
+    batch. Cost: one all-reduce of 3 float64 scalars and, only when the batch exceeds
+    the threshold, an all-gather of each rank's top-m d (m = max(4096, N/256) in the
+    first round, N the global token count).
+    Every rank of `group` must call it. Without torch.distributed it is
+    `m2po_keep_mask`.
+
+    With gradient accumulation, call it once per optimizer minibatch on log-ratios from
+    a no-grad forward of the whole local minibatch, then pass slices of the mask to
+    `compute_policy_loss(..., keep_mask=...)` for each micro-batch.
+
+    Exactness: the kept set matches the single-process one except when the kept mean
+    equals the threshold to within float64 rounding of the sum (the ranks sum in a
+    different order than one process does).
+
+    Returns:
+        keep (B, T) bool; with `return_stats`, also a dict of global 0-d float32 tensors
+        `m2po/m2_before`, `m2po/m2_after`, `m2po/kept_tokens`, `m2po/masked_tokens`,
+        `m2po/masked_frac` (one more all-reduce of 2 scalars).
+    """
+    keep, s = _m2po_cut(log_ratio, valid, float(threshold), group)
+    if not return_stats:
+        return keep
+    lr = log_ratio.detach().float()
+    kept = torch.stack(
+        [
+            torch.where(keep, lr * lr, 0.0).sum(dtype=torch.float64),
+            torch.count_nonzero(keep).double(),
+            torch.count_nonzero(valid).double(),
+        ]
+    )
+    kept_sum, n_kept, n_valid = all_reduce_sum(kept, group).tolist()
+    nan = float("nan")
+    stats = {
+        "m2po/m2_before": s["sum"] / s["n"] if s["n"] else nan,
+        "m2po/m2_after": kept_sum / n_kept if n_kept else nan,
+        "m2po/kept_tokens": n_kept,
+        "m2po/masked_tokens": n_valid - n_kept,
+        "m2po/masked_frac": (n_valid - n_kept) / n_valid if n_valid else nan,
+    }
+    device = log_ratio.device
+    return keep, {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in stats.items()}
+
+
+@torch.no_grad()
+def m2po_official_tau(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    m2_threshold: float = 0.04,
+    group=None,
+    *,
+    solver: str = "exact",
+) -> float:
+    """The official M2PO code's clip radius tau_c, over every rank of `group`.
+
+    Only "harmful" tokens count: (A > 0 and r > 1) or (A < 0 and r < 1). With d their
+    squared log-ratios and n their number, tau_c solves sum_i min(d_i, tau_c^2) =
+    m2_threshold * n; the loss then clips the ratio to [exp(-tau_c), exp(tau_c)].
+
+    Args:
+        log_ratio, advantages, valid: (B, T); advantages already broadcast per token.
+        m2_threshold: the M2 budget (official code: 0.04), >= 0.
+        group: process group for the global form; None is the default group (a no-op
+            without torch.distributed). Pass a group of one rank for a local value.
+        solver: "exact" solves the equation exactly (piecewise linear in tau_c^2);
+            "breakpoint" reproduces the official code, which rounds tau_c^2 down to the
+            largest d_i at which the capped sum is still within budget.
+
+    Returns:
+        tau_c as a python float; inf when there is no harmful token or their M2 is
+        already within budget.
+    """
+    if solver not in ("exact", "breakpoint"):
+        raise ValueError(f"solver must be 'exact' or 'breakpoint'; got {solver!r}")
+    _check_inputs(log_ratio, valid, float(m2_threshold), "m2_threshold")
+    budget = float(m2_threshold)
+    lr = log_ratio.detach().float()
+    adv = advantages.detach()
+    harmful = valid.bool() & torch.isfinite(lr) & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+    d = torch.where(harmful, lr * lr, _NOT_A_CANDIDATE)
+    sums = torch.stack(
+        [
+            d.clamp_min(0).sum(dtype=torch.float64),
+            torch.count_nonzero(harmful).double(),
+            torch.count_nonzero(d > _largest_f32_at_most(budget)).double(),
+        ]
+    )
+    total, n, n_above = all_reduce_sum(sums, group).tolist()
+    target = budget * n
+    if n == 0 or total <= target:
+        return math.inf
+
+    # Capping the k largest at c in [u_{k+1}, u_k] gives rest_k + k*c (u descending,
+    # rest_k the sum of all but the k largest, u_{n+1} = 0). The cap is >= budget, so
+    # k <= n_above and u_{k+1} is in the top n_above + 1.
+    n, bound = int(n), min(int(n), int(n_above) + 1)
+    m = min(bound, max(_FIRST_TOP, n // _FIRST_TOP_FRACTION))
+    while True:
+        top, rest = _global_top(d, m, n, group)  # (m,) descending, (m + 1,)
+        nxt = torch.cat([top[1:], top.new_zeros(1)])  # u_{k+1}; 0 past the last token
+        k = torch.arange(1, m + 1, device=top.device, dtype=torch.float64)
+        ok = rest[1:] + k * nxt <= target
+        if m < n:
+            ok[-1] = False  # u_{m+1} is not known yet
+        i = _first_true(ok)
+        if i is not None:
+            if solver == "breakpoint":
+                cap = nxt[i].item()
+            else:
+                cap = (target - rest[i + 1].item()) / (i + 1)
+            return math.sqrt(max(cap, 0.0))
+        if m >= bound:
+            return math.sqrt(budget)  # only float64 rounding gets here
+        m = min(bound, _WIDEN * m)

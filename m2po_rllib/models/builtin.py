@@ -1,0 +1,99 @@
+"""Models shipped inside the package, so `make train` needs no model hub.
+
+`resolve_model_path("builtin:arith-tiny")` gives the directory of the shipped weights (a
+Hugging Face directory that transformers and vLLM load); any other name or path passes
+through unchanged. The weights are made by `scripts/build_builtin_model.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    description: str
+    task: dict = field(default_factory=dict)
+    """`envs.arithmetic.ArithmeticTasks` arguments of the task it was warm-started on."""
+    template: str = "compact"
+    """The `envs.templates` prompt template it was trained with."""
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "arith-tiny": BuiltinModel(
+        description=(
+            "0.8M-parameter character-level Qwen2, warm-started by supervised training on "
+            "3-digit addition to 15-35% greedy held-out accuracy: room for RL to show."
+        ),
+        task=dict(digits=3, num_operands=2, operators="+"),
+    ),
+}
+
+
+def builtin_dir(name: str) -> Path:
+    """Where the shipped weights of built-in model `name` live (whether or not they exist)."""
+    return Path(str(files("m2po_rllib").joinpath("assets", name)))
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """The local directory of `builtin:<name>`; any other model name or path unchanged."""
+    name_or_path = os.fspath(name_or_path)
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    if name not in BUILTIN_MODELS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+        raise ValueError(f"unknown built-in model {name_or_path!r}; the built-in models are: {known}")
+    path = builtin_dir(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_path!r}: no weights at {path}; rebuild them with "
+            f"`python scripts/build_builtin_model.py --out {path}`"
+        )
+    return str(path)
+
+
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
+    """Greedy continuations of `prompts`, decoded without special tokens.
+
+    Prompts are batched by token length, so there is no padding and every sequence sees the
+    positions that vLLM gives it (0 at its first token). No KV cache: the sequences here
+    are a dozen tokens long.
+    """
+    import torch
+
+    by_length: dict[int, list[int]] = {}
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    out = [""] * len(prompts)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for indices in by_length.values():
+            ids = torch.tensor([encoded[i] for i in indices])  # (B, T)
+            done = torch.zeros(len(indices), dtype=torch.bool)
+            new = []
+            for _ in range(max_new_tokens):
+                next_ids = model(input_ids=ids).logits[:, -1].argmax(-1)  # (B,)
+                next_ids = torch.where(done, tokenizer.pad_token_id, next_ids)
+                new.append(next_ids)
+                done |= next_ids == tokenizer.eos_token_id
+                ids = torch.cat([ids, next_ids[:, None]], dim=1)
+                if done.all():
+                    break
+            new_ids = torch.stack(new, dim=1).tolist()  # (B, new)
+            for i, row in zip(indices, new_ids):
+                out[i] = tokenizer.decode(row, skip_special_tokens=True)
+    model.train(was_training)
+    return out
+
+
+def boxed_exact_match(completion: str, answer: str) -> bool:
+    """Strict score used to build and test the built-in model: the completion is `\\boxed{answer}`."""
+    return completion.strip() == "\\boxed{" + answer + "}"

@@ -1,0 +1,263 @@
+"""Build `builtin:arith-tiny`: a tiny Qwen2 warm-started on 3-digit addition.
+
+The base model of `make train`. Supervised training on "123+456=" -> "\\boxed{579}</s>"
+(train split of `ArithmeticTasks(digits=3, num_operands=2, operators="+")`), stopped as
+soon as greedy accuracy on held-out problems is inside `--target-acc`: the model then
+always answers in the verifier's format but is right only sometimes, which leaves RL
+something visible to teach. Accuracy rises steeply near the end of the warm start, so
+it is measured every `--eval-every` steps; an evaluation above the target range
+rewinds to the previous one and replays those steps evaluating after every step.
+
+    python scripts/build_builtin_model.py                  # writes m2po_rllib/assets/arith-tiny
+    python scripts/build_builtin_model.py --check-vllm     # greedy accuracy, transformers vs vLLM
+
+Measured with the defaults (seed 0, --threads 1, on 2 CPU cores shared with other jobs):
+798,976 parameters, 370 steps of 128 problems in 130-220 s depending on the load;
+greedy held-out accuracy 24.8% on all 500 held-out problems (28% on the first 100, the
+same under transformers and vLLM: 100/100 identical completions, checked with
+--check-vllm), well-formed `\\boxed{}` answers 100%. Sampled at temperature 1 it is
+right 12% of the time and 53% of 8-sample groups hold both a right and a wrong answer,
+so GRPO/M2PO advantages are non-zero from the first step. Accuracy is ~1% until step
+~330, then climbs 7% -> 16% -> 27% in 20 steps.
+
+The result is bit-identical for a given seed, thread count and evaluation schedule
+(CPU float reductions depend on the number of threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from envs.arithmetic import ArithmeticTasks  # noqa: E402
+from envs.templates import render_prompt  # noqa: E402
+from m2po_rllib.models.builtin import (  # noqa: E402
+    BUILTIN_MODELS,
+    boxed_exact_match,
+    builtin_dir,
+    greedy_completions,
+)
+from m2po_rllib.models.tiny import new_tiny_model  # noqa: E402
+
+NAME = "arith-tiny"
+# head_dim = 128 / 4 = 32: vLLM's CPU attention needs a head size in {32, 64, ...}.
+ARCH = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0, help="model init, data order")
+    p.add_argument("--out", default=str(builtin_dir(NAME)), help="output directory")
+    p.add_argument(
+        "--target-acc", type=float, nargs=2, default=(0.20, 0.30), metavar=("LO", "HI"),
+        help="stop at the first evaluation with LO <= greedy held-out accuracy <= HI",
+    )
+    p.add_argument("--max-steps", type=int, default=3000, help="give up after this many updates")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-size", type=int, default=200, help="held-out problems per evaluation")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--check-vllm", action="store_true",
+        help="build nothing: compare greedy accuracy of --out under transformers and vLLM",
+    )
+    p.add_argument("--check-size", type=int, default=100, help="held-out problems for --check-vllm")
+    return p.parse_args(argv)
+
+
+def task() -> ArithmeticTasks:
+    return ArithmeticTasks(**BUILTIN_MODELS[NAME].task)
+
+
+def prompt(question: str) -> str:
+    return render_prompt(question, BUILTIN_MODELS[NAME].template)
+
+
+def train_batch(tasks: ArithmeticTasks, tokenizer, step: int, batch_size: int):
+    """Right-padded (input_ids, attention_mask, labels) of train problems; loss on the completion only."""
+    rows, label_rows = [], []
+    for i in range(batch_size):
+        problem = tasks.problem(step * batch_size + i)
+        p_ids = tokenizer(prompt(problem.question), add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer("\\boxed{" + problem.answer + "}", add_special_tokens=False)["input_ids"]
+        c_ids = c_ids + [tokenizer.eos_token_id]
+        rows.append(p_ids + c_ids)
+        label_rows.append([-100] * len(p_ids) + c_ids)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])  # (B, T)
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
+    return input_ids, attention_mask, labels
+
+
+def accuracy(model, tokenizer, problems) -> float:
+    completions = greedy_completions(model, tokenizer, [prompt(p.question) for p in problems])
+    return float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(completions, problems)]))
+
+
+def build(args: argparse.Namespace) -> dict:
+    lo, hi = args.target_acc
+    torch.set_num_threads(args.threads)
+    # The train problems follow the build seed; the held-out set is the same for every seed.
+    tasks = ArithmeticTasks(**BUILTIN_MODELS[NAME].task, seed=args.seed)
+    heldout = tasks.heldout()
+    model, tokenizer = new_tiny_model(args.seed, **ARCH)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{NAME}: {n_params:,} parameters, task {tasks!r}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
+
+    def lr_at(step: int) -> float:
+        return args.lr * min(1.0, (step + 1) / args.warmup_steps)
+
+    start = time.perf_counter()
+    model.train()
+    step, eval_every, acc = 0, args.eval_every, 0.0
+    snapshot = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    while True:
+        if step >= args.max_steps:
+            raise SystemExit(
+                f"no held-out accuracy in [{lo}, {hi}] after --max-steps {args.max_steps} "
+                f"(last {acc:.3f}); raise --max-steps or widen --target-acc"
+            )
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        input_ids, attention_mask, labels = train_batch(tasks, tokenizer, step, args.batch_size)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % eval_every:
+            continue
+        acc = accuracy(model, tokenizer, heldout[: args.eval_size])
+        elapsed = time.perf_counter() - start
+        print(f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.3f}  {elapsed:6.1f}s", flush=True)
+        if lo <= acc <= hi:
+            break
+        if acc > hi:
+            if eval_every == 1:
+                raise SystemExit(
+                    f"accuracy jumped past {hi} within one step (to {acc:.3f}); widen --target-acc "
+                    "or lower --lr"
+                )
+            print(f"  above {hi}: rewind to step {snapshot[0]} and evaluate every step", flush=True)
+            step = snapshot[0]
+            model.load_state_dict(snapshot[1])
+            optimizer.load_state_dict(snapshot[2])
+            eval_every = 1
+            continue
+        snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    train_seconds = time.perf_counter() - start
+    full_acc = accuracy(model, tokenizer, heldout)
+    print(
+        f"done: {step} steps in {train_seconds:.1f}s; greedy held-out accuracy {full_acc:.3f} "
+        f"on all {len(heldout)} (stopping criterion: {acc:.3f} on the first {args.eval_size})",
+        flush=True,
+    )
+    info = dict(
+        name=NAME,
+        seed=args.seed,
+        steps=step,
+        train_seconds=round(train_seconds, 1),
+        threads=args.threads,
+        heldout_greedy_accuracy=full_acc,
+        heldout_size=len(heldout),
+        stop_accuracy=acc,
+        stop_eval_size=args.eval_size,
+        target_acc=[lo, hi],
+        parameters=n_params,
+        architecture=dict(model_type="qwen2", vocab_size=len(tokenizer), **ARCH),
+        task=dict(name="ArithmeticTasks", **BUILTIN_MODELS[NAME].task),
+        template=BUILTIN_MODELS[NAME].template,
+        training=dict(
+            batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+            eval_every=args.eval_every,
+            optimizer="AdamW(betas=(0.9, 0.98), weight_decay=0.1)", grad_clip=1.0,
+            target="\\boxed{<answer>}</s>, loss on completion tokens only",
+        ),
+        torch=torch.__version__,
+    )
+    save(model, tokenizer, info, Path(args.out))
+    return info
+
+
+def save(model, tokenizer, info: dict, out: Path) -> None:
+    """Writes to a sibling temporary directory, then replaces `out` (only a previous build of ours)."""
+    if out.exists() and any(out.iterdir()) and not (out / "build_info.json").exists():
+        raise SystemExit(f"--out {out} exists, is not empty and holds no build_info.json; not replacing it")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e6:.1f} MB)", flush=True)
+
+
+def check_vllm(args: argparse.Namespace) -> dict:
+    """Greedy accuracy of the saved model under transformers and under vLLM, on the same prompts."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    problems = task().heldout()[: args.check_size]
+    prompts = [prompt(p.question) for p in problems]
+    model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.out)
+    hf = greedy_completions(model, tokenizer, prompts)
+    start = time.perf_counter()
+    llm = LLM(model=args.out, dtype="float32", enforce_eager=True, seed=0)
+    startup = time.perf_counter() - start
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    vl = [o.outputs[0].text for o in outputs]
+    hf_acc = float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(hf, problems)]))
+    vl_acc = float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(vl, problems)]))
+    same = sum(a.strip() == b.strip() for a, b in zip(hf, vl))
+    for p, a, b in list(zip(prompts, hf, vl))[:5]:
+        print(f"  {p!r:12} transformers {a!r:16} vLLM {b!r}")
+    print(
+        f"greedy accuracy on {len(problems)} held-out: transformers {hf_acc:.3f}, vLLM {vl_acc:.3f}; "
+        f"identical completions {same}/{len(problems)}; vLLM startup {startup:.0f}s",
+        flush=True,
+    )
+    return dict(transformers=hf_acc, vllm=vl_acc, identical=same, n=len(problems))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.check_vllm:
+        check_vllm(args)
+    else:
+        build(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

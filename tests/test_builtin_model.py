@@ -1,0 +1,94 @@
+"""The shipped base model `builtin:arith-tiny`: found from anywhere, loads, half-taught."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envs.arithmetic import ArithmeticTasks
+from envs.templates import render_prompt
+from m2po_rllib.models.builtin import (
+    BUILTIN_MODELS,
+    boxed_exact_match,
+    greedy_completions,
+    resolve_model_path,
+)
+
+# The documented band for greedy accuracy on the first 100 held-out problems; the build
+# stops inside 0.20-0.30 on the first 200 (scripts/build_builtin_model.py).
+ACC_BAND = (0.10, 0.45)
+
+
+@pytest.fixture(scope="module")
+def arith_tiny():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path("builtin:arith-tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def test_builtin_name_resolves_from_another_cwd(tmp_path):
+    code = "from m2po_rllib.models.builtin import resolve_model_path as r; print(r('builtin:arith-tiny'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(out).is_absolute(), out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "build_info.json"} <= set(os.listdir(out))
+
+
+def test_other_names_pass_through_and_unknown_builtin_lists_the_known():
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert resolve_model_path(Path("some/dir")) == "some/dir"
+    with pytest.raises(ValueError, match="builtin:arith-tiny"):
+        resolve_model_path("builtin:no-such-model")
+
+
+def test_build_info_matches_the_registry():
+    info = json.loads((Path(resolve_model_path("builtin:arith-tiny")) / "build_info.json").read_text())
+    task = BUILTIN_MODELS["arith-tiny"].task
+    assert {k: info["task"][k] for k in task} == task
+    assert 0.15 <= info["heldout_greedy_accuracy"] <= 0.35, info
+
+
+def test_tokenizer_round_trips(arith_tiny):
+    model, tokenizer = arith_tiny
+    text = "123+456=\\boxed{579}"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == list("123+456=") + ["\\boxed{"] + list("579}")
+    assert tokenizer.decode(ids) == text
+    # Text outside the arithmetic prompt survives the reload too (spaces, newlines).
+    words = "Question: What is 12 * (3-4)?\nAnswer:"
+    assert tokenizer.decode(tokenizer(words)["input_ids"]) == words
+    assert tokenizer.padding_side == "left"
+    assert model.config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("</s>")
+    assert model.config.hidden_size // model.config.num_attention_heads in (32, 64, 128)
+
+
+def test_greedy_heldout_accuracy_in_documented_band(arith_tiny):
+    model, tokenizer = arith_tiny
+    problems = ArithmeticTasks(**BUILTIN_MODELS["arith-tiny"].task).heldout()[:100]
+    prompts = [render_prompt(p.question, BUILTIN_MODELS["arith-tiny"].template) for p in problems]
+    completions = greedy_completions(model, tokenizer, prompts)
+    acc = sum(boxed_exact_match(c, p.answer) for c, p in zip(completions, problems)) / len(problems)
+    # The format is learned even where the sum is wrong: RL gets a reward signal it can read.
+    well_formed = sum(c.startswith("\\boxed{") and c.endswith("}") for c in completions) / len(problems)
+    assert ACC_BAND[0] <= acc <= ACC_BAND[1], f"greedy held-out accuracy {acc:.2f} outside {ACC_BAND}"
+    assert well_formed >= 0.95, f"only {well_formed:.2f} of completions are \\boxed{{...}}"
+
+
+def test_left_padded_generate_agrees_with_unpadded_greedy(arith_tiny):
+    """Training saw positions from 0; `generate` on a left-padded batch must see the same."""
+    model, tokenizer = arith_tiny
+    problems = ArithmeticTasks(**BUILTIN_MODELS["arith-tiny"].task).heldout()[:32]
+    prompts = [render_prompt(p.question, "compact") for p in problems] + ["1+2=", "5+50="]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    generated = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert generated == greedy_completions(model, tokenizer, prompts)

@@ -27,6 +27,8 @@ test-fast: setup
 bench: setup
 	$(PY) bench/bench_losses.py
 	$(PY) bench/bench_reward.py
+	$(PY) bench/bench_engines.py
+	$(PY) bench/bench_main_job.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

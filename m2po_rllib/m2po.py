@@ -384,7 +384,8 @@ class M2PO(Algorithm):
         rewards = torch.as_tensor(batch["rewards"])
         advantages = compute_advantages(rewards, cfg.group_size, estimator=cfg.advantage_estimator)
         train = to_train_batch(batch, advantages.numpy())
-        train = take_rows(train, learner_order(num_rows(train), cfg.minibatch_prompts * cfg.group_size, max(1, cfg.num_learners)))
+        order = learner_order(num_rows(train), cfg.minibatch_prompts * cfg.group_size, max(1, cfg.num_learners))
+        train = take_rows(train, order)
         n_tokens = float(train["response_mask"].sum())
 
         with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
@@ -400,7 +401,8 @@ class M2PO(Algorithm):
                     )
                 },
             )
-            self.metrics.log_value(TOKENS_TRAINED_PER_S, n_tokens * cfg.num_epochs / (time.perf_counter() - t0), window=1)
+            seconds = time.perf_counter() - t0
+            self.metrics.log_value(TOKENS_TRAINED_PER_S, n_tokens * cfg.num_epochs / seconds, window=1)
         self.metrics.aggregate(results, key=LEARNER_RESULTS)
         self._policy_version += cfg.updates_per_step
 
@@ -411,8 +413,23 @@ class M2PO(Algorithm):
                 timeout_seconds=600.0,
             )
 
-    def _runner_plan(self, group) -> tuple[bool, int]:
-        remote = group.num_healthy_remote_workers()
+    def restore_env_runners(self, env_runner_group) -> list[int]:
+        """RLlib's restore, plus the learners' current weights for each restarted runner
+        (the default copies the local runner's state, which holds no LLM weights)."""
+        restored = super().restore_env_runners(env_runner_group)
+        if restored:
+            env_runner_group.sync_weights(
+                from_worker_or_learner_group=self.learner_group,
+                to_worker_indices=restored,
+                inference_only=True,
+                timeout_seconds=600.0,
+            )
+        return restored
+
+    @staticmethod
+    def _runner_plan(group) -> tuple[bool, int]:
+        """(sample on the local runner?, runners sharing the round's prompts)."""
+        remote = group.num_remote_env_runners()
         return remote == 0, max(1, remote)
 
     def _sample_round_from_runners(self):
@@ -420,12 +437,21 @@ class M2PO(Algorithm):
         local, n = self._runner_plan(self.env_runner_group)
         per_runner = cfg.prompts_per_step // n
         seed = (cfg.seed or 0) * 1_000_003 + self._sample_round
-        out = self.env_runner_group.foreach_env_runner(
-            lambda runner: (runner.sample(num_prompts=per_runner, seed=seed), runner.get_metrics()),
-            local_env_runner=local,
-        )
-        if not out:
-            raise RuntimeError("no healthy EnvRunner returned samples; see the runners' logs")
+        deadline = time.monotonic() + cfg.env_runner_restore_timeout_s + 600
+        while True:
+            out = self.env_runner_group.foreach_env_runner(
+                lambda runner: (runner.sample(num_prompts=per_runner, seed=seed), runner.get_metrics()),
+                local_env_runner=local,
+            )
+            if out:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("no EnvRunner returned samples, and none could be restored; see the runners' logs")
+            # Failed runners (e.g. a dead vLLM engine) are restarted by Ray; bring them back
+            # with the current weights and sample this round again.
+            logger.warning("no EnvRunner returned samples; restoring failed runners and retrying")
+            time.sleep(1.0)
+            self.restore_env_runners(self.env_runner_group)
         if len(out) * per_runner != cfg.prompts_per_step:
             logger.warning(
                 "%d of %d EnvRunners returned samples this round; training on %d prompts",

@@ -18,18 +18,22 @@ REWARD = ("env_runners", "rollout/reward_mean")
 TRAIN_ACC = ("env_runners", "rollout/accuracy")
 TOKENS_PER_S = ("env_runners", "rollout/tokens_per_s")
 MASKED = ("learners", "default_policy", "m2po/masked_frac")
-CLIPPED_KEYS = ("grpo/clipped_frac", "gspo/clipped_frac", "m2po_official/clipped_frac")
+CLIPPED_KEYS = ("grpo/clipped_frac", "gspo/clipped_frac", "m2po/clipped_frac")
 STALENESS = ("staleness/mean",)
 
 RUN_DEFAULTS = {"stop_iters": 100, "stop_minutes": None, "checkpoint_every": 10, "eval_at_start": True}
 
 
 def _get(result: dict, path: tuple, default=None):
+    """result[path[0]][path[1]]...; `default` when missing or NaN (RLlib reports NaN for
+    metrics not logged this iteration, e.g. evaluation between intervals)."""
     node = result
     for key in path:
         if not isinstance(node, dict) or key not in node:
             return default
         node = node[key]
+    if isinstance(node, float) and math.isnan(node):
+        return default
     return node
 
 
@@ -178,6 +182,10 @@ def run_training(
                     "policy_version": result.get("policy_version"),
                     "staleness_mean": result.get("staleness/mean"),
                     "masked_frac": _get(result, MASKED),
+                    "clipped_frac": next(
+                        (v for k in CLIPPED_KEYS if (v := _get(result, ("learners", "default_policy", k))) is not None),
+                        None,
+                    ),
                     "tokens_per_s": _get(result, TOKENS_PER_S),
                 }
             )

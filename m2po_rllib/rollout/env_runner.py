@@ -107,7 +107,19 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     @property
     def engine(self):
-        if self._engine is None or not self._engine.is_healthy():
+        """The engine, started on first use (the local runner of a multi-runner job never
+        samples, so it never pays for one). A dead engine is restarted in place on the local
+        runner; a remote runner reports itself dead so that RLlib replaces it."""
+        if self._engine is not None and not self._engine.is_healthy():
+            if self.worker_index > 0:
+                from m2po_rllib.rollout.engine import EngineDeadError
+
+                raise EngineDeadError(
+                    f"EnvRunner {self.worker_index}: the rollout engine died; RLlib's "
+                    "restart_failed_env_runners replaces this runner"
+                )
+            self._start_engine()
+        if self._engine is None:
             self._start_engine()
         return self._engine
 
@@ -290,8 +302,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         pass
 
     def ping(self) -> str:
-        # A dead engine makes the runner unhealthy, so RLlib's restart_failed_env_runners
-        # replaces it; the replacement gets the current weights before it samples.
-        if self._engine is not None and not self._engine.is_healthy():
+        # RLlib pings a runner it marked unhealthy. With a dead engine, end this actor's
+        # process: Ray restarts the actor (max_num_env_runner_restarts), RLlib's
+        # restore_env_runners syncs the current weights to it, and it samples with those.
+        if self.worker_index > 0 and self._engine is not None and not self._engine.is_healthy():
+            logger.error("EnvRunner %d: rollout engine is dead; exiting for a restart", self.worker_index)
             os._exit(1)
         return "pong"

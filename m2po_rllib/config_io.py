@@ -48,6 +48,10 @@ SECTIONS = (
 )
 
 
+# The `m2po train` job's own settings (stop_iters, ...); not part of the algorithm config.
+JOB_SECTION = "run"
+
+
 def parse_override(item: str) -> tuple[str, str, Any]:
     """`section.key=value` -> (section, key, YAML-parsed value)."""
     if "=" not in item:
@@ -90,9 +94,11 @@ def config_from_spec(spec: dict, config_cls=None):
     if config_cls is None:
         from m2po_rllib.m2po import M2POConfig as config_cls
     config = config_cls()
-    unknown = set(spec) - set(SECTIONS)
+    unknown = set(spec) - set(SECTIONS) - {JOB_SECTION}
     if unknown:
-        raise ValueError(f"unknown config section(s) {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
+        raise ValueError(
+            f"unknown config section(s) {sorted(unknown)}; valid: {', '.join(SECTIONS)}, {JOB_SECTION}"
+        )
     for section in SECTIONS:
         if section in spec and spec[section]:
             kwargs = dict(spec[section])

@@ -152,7 +152,7 @@ class M2POConfig(AlgorithmConfig):
         **kwargs,
     ) -> Self:
         super().training(**kwargs)
-        for name, value in dict(
+        self._set_provided(
             policy_loss=policy_loss,
             m2_threshold=m2_threshold,
             eps_low=eps_low,
@@ -169,9 +169,7 @@ class M2POConfig(AlgorithmConfig):
             logp_mismatch_interval=logp_mismatch_interval,
             weight_decay=weight_decay,
             adam_betas=adam_betas,
-        ).items():
-            if value is not NotProvided:
-                setattr(self, name, value)
+        )
         return self
 
     def env_runners(
@@ -186,23 +184,25 @@ class M2POConfig(AlgorithmConfig):
         **kwargs,
     ) -> Self:
         super().env_runners(**kwargs)
-        for name, value in dict(
+        self._set_provided(
             rollout_engine=rollout_engine,
             engine_kwargs=engine_kwargs,
             temperature=temperature,
             top_p=top_p,
             max_new_tokens=max_new_tokens,
             stop=stop,
-        ).items():
-            if value is not NotProvided:
-                setattr(self, name, value)
+        )
         return self
 
     def evaluation(self, *, eval_samples=NotProvided, **kwargs) -> Self:
         super().evaluation(**kwargs)
-        if eval_samples is not NotProvided:
-            self.eval_samples = eval_samples
+        self._set_provided(eval_samples=eval_samples)
         return self
+
+    def _set_provided(self, **settings) -> None:
+        for name, value in settings.items():
+            if value is not NotProvided:
+                setattr(self, name, value)
 
     # -- derived quantities ---------------------------------------------------------------
     @property

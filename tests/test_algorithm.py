@@ -87,6 +87,16 @@ def test_yaml_config_round_trip(tmp_path, tiny_model_dir):
         M2POConfig.from_yaml(str(path), overrides=["train.lr=1"])
 
 
+@pytest.mark.parametrize(
+    "path", sorted(str(p) for p in (__import__("pathlib").Path(__file__).parents[1] / "configs").glob("*.yaml"))
+)
+def test_shipped_configs_load_and_validate(path):
+    cfg = M2POConfig.from_yaml(path)
+    cfg.validate()
+    assert cfg.staleness % cfg.updates_per_step == 0
+    assert cfg.model_config["model"]
+
+
 # -- batches -------------------------------------------------------------------------------
 def test_concat_rollouts_repads_prompts_left_and_responses_right():
     a = pack_rollouts([[5, 6]], [[7]], [[-0.5]], [1.0], policy_version=3, pad_id=0)

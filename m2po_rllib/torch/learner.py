@@ -13,7 +13,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 
 from m2po_rllib.losses import compute_policy_loss
-from m2po_rllib.torch.rl_module import ENTROPY, LOGP, response_logp_and_entropy
+from m2po_rllib.torch.rl_module import ENTROPY, LOGP
 
 
 def _world_size() -> int:
@@ -52,14 +52,7 @@ class M2POTorchLearner(TorchLearner):
         module = self.module[DEFAULT_MODULE_ID].unwrapped()
         tensors = {k: torch.as_tensor(v, device=self._device) for k, v in batch.items()}
         with torch.no_grad():
-            logp, _ = response_logp_and_entropy(
-                module.model,
-                tensors["input_ids"],
-                tensors["attention_mask"],
-                tensors["response_mask"].shape[1],
-                temperature=module.temperature,
-                with_entropy=False,
-            )
+            logp, _ = module.response_logp(tensors, with_entropy=False)
         return logp.float().cpu().numpy()
 
     @override(TorchLearner)

@@ -87,25 +87,24 @@ class HFCausalLMModule(TorchRLModule):
         # Optimizer updates applied to these weights: the version rollouts are tagged with.
         self.policy_version = 0
 
-    def _forward_train(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
-        logp, entropy = response_logp_and_entropy(
+    def response_logp(self, batch: dict[str, Any], with_entropy: bool = True):
+        """`(logp, entropy)` of the batch's response tokens, each `(B, R)`."""
+        return response_logp_and_entropy(
             self.model,
             batch["input_ids"],
             batch["attention_mask"],
             batch["response_mask"].shape[1],
             temperature=self.temperature,
+            with_entropy=with_entropy,
         )
+
+    def _forward_train(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
+        logp, entropy = self.response_logp(batch)
         return {LOGP: logp, ENTROPY: entropy}
 
     def _forward(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
         with torch.no_grad():
-            logp, entropy = response_logp_and_entropy(
-                self.model,
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["response_mask"].shape[1],
-                temperature=self.temperature,
-            )
+            logp, entropy = self.response_logp(batch)
         return {LOGP: logp, ENTROPY: entropy}
 
     # RLlib's default get_state converts to numpy, which has no bfloat16: keep torch tensors.

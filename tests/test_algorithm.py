@@ -260,3 +260,32 @@ def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
     for r in grid:
         assert r.metrics["training_iteration"] == 1
         assert "m2po/m2_before" in r.metrics["learners"]["default_policy"]
+
+
+def test_runner_ignores_stale_and_duplicate_weight_syncs(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+    runner = LLMEnvRunner(config=tiny_config(tiny_model_dir))
+    try:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        newer = {k: v + 0.01 for k, v in base.items()}
+
+        def sync(weights, version):
+            runner.set_state({"rl_module": {"default_policy": {"weights": weights, "policy_version": version}}})
+
+        sync(newer, 2)  # before the engine starts: kept, loaded at start
+        batch = runner.sample(num_prompts=2, seed=0)
+        assert runner.engine.version == 2 and set(batch["policy_version"]) == {2}
+        before = runner.sample(num_prompts=2, seed=1)
+        sync(base, 1)  # older than what the engine serves: ignored
+        sync(base, 2)  # duplicate version: ignored
+        assert runner.engine.version == 2
+        after = runner.sample(num_prompts=2, seed=1)
+        np.testing.assert_array_equal(after["response_ids"], before["response_ids"])
+        sync(base, 3)  # newer: loaded in place
+        assert runner.engine.version == 3
+        np.testing.assert_array_equal(runner.sample(num_prompts=2, seed=1)["policy_version"], 3)
+    finally:
+        runner.stop()

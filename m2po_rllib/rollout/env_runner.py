@@ -67,7 +67,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         super().__init__(config=config, **kwargs)
         self.worker_index = kwargs.get("worker_index") or 0
         self._engine = None
-        self._engine_starts = 0
+        # Newest weights version received, and weights an engine may still need: those that
+        # arrived before the engine started, and (local runner only) the copy an in-place
+        # engine restart reloads. A remote runner drops them once loaded: a restart replaces
+        # the whole actor and RLlib resyncs it.
+        self._weights_version = -1
         self._pending_weights: tuple[dict, int] | None = None
         self._tokenizer = None
         self._train_envs: list[gym.Env] = []
@@ -140,7 +144,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             kwargs.setdefault("seed", self._seed)
         t0 = time.perf_counter()
         self._engine = make_engine(settings["kind"], resolve_model_path(settings["model"]), **kwargs)
-        self._engine_starts += 1
         self.metrics.log_value("rollout/engine_start_s", time.perf_counter() - t0, reduce="mean")
         if self._pending_weights is not None:
             weights, version = self._pending_weights
@@ -272,16 +275,17 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if not module_state or "weights" not in module_state:
             return
         version = int(module_state.get("policy_version", 0))
-        current = self._pending_weights[1] if self._pending_weights else -1
-        if self._engine is not None:
-            current = max(current, self._engine.version)
-        if version <= current:
+        if version <= self._weights_version:
             return  # stale or duplicate sync
-        self._pending_weights = (module_state["weights"], version)
+        self._weights_version = version
+        weights = module_state["weights"]
         if self._engine is not None and self._engine.is_healthy():
             t0 = time.perf_counter()
-            self._engine.update_weights(module_state["weights"], version)
+            self._engine.update_weights(weights, version)
             self.metrics.log_value(WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
+            self._pending_weights = (weights, version) if self.worker_index == 0 else None
+        else:
+            self._pending_weights = (weights, version)
 
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict:
         return {"engine_version": self._engine.version if self._engine is not None else -1}

@@ -50,7 +50,7 @@ class M2POTorchLearner(TorchLearner):
     def compute_response_logp(self, batch: dict[str, Any]) -> np.ndarray:
         """Per-token log-probs `(B, R)` of the responses under the current weights (no grad)."""
         module = self.module[DEFAULT_MODULE_ID].unwrapped()
-        tensors = {k: torch.as_tensor(v, device=self._device) for k, v in batch.items()}
+        tensors = {k: torch.tensor(v, device=self._device) for k, v in batch.items()}  # copies (ray arrays are read-only)
         with torch.no_grad():
             logp, _ = module.response_logp(tensors, with_entropy=False)
         return logp.float().cpu().numpy()

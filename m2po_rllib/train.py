@@ -94,7 +94,7 @@ def run_training(
     from m2po_rllib.m2po import M2PO
 
     if resume:
-        run_dir = Path(resume)
+        run_dir = Path(resume).resolve()
         meta_path = run_dir / "run.json"
         if not meta_path.exists():
             raise FileNotFoundError(f"{meta_path} is missing: --resume takes a run directory of `m2po train`")
@@ -109,7 +109,8 @@ def run_training(
         config = config_from_spec(spec)
         config.validate()
         name = Path(config_path).stem
-        run_dir = Path(output or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        # Absolute: RLlib's save_to_path reads a relative path as a URI without a scheme.
+        run_dir = Path(output or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         meta = {"config_path": str(config_path), "overrides": list(overrides or []), "spec": spec, "run": run}
         (run_dir / "run.json").write_text(json.dumps(meta, indent=2, default=str))

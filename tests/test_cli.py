@@ -37,6 +37,7 @@ def _m2po(*args, cwd=REPO, **kw) -> subprocess.CompletedProcess:
     )
 
 
+
 def test_help_lists_subcommands():
     out = _m2po("--help")
     assert out.returncode == 0
@@ -54,7 +55,11 @@ def test_train_resume_eval_export(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     # weight decay moves the weights even when every reward of the random model is 0
     args = [*_overrides(tiny_model_dir), "training.weight_decay=0.1", "training.lr=1e-2"]
-    out = _m2po("train", "--stop-iters", "2", "--output", str(run), "--no-progress", *args)
+    # a relative --output (run from tmp_path), with a checkpoint inside the loop
+    out = _m2po(
+        "train", "--stop-iters", "2", "--checkpoint-every", "1", "--output", "run", "--no-progress", *args,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["policy_version"] == 2  # step 1 fills the queue

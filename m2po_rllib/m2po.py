@@ -28,14 +28,12 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.metrics import (
     ENV_RUNNER_RESULTS,
     ENV_RUNNER_SAMPLING_TIMER,
-    EVALUATION_RESULTS,
     LEARNER_RESULTS,
     LEARNER_UPDATE_TIMER,
     NUM_ENV_STEPS_SAMPLED_LIFETIME,
     SYNCH_WORKER_WEIGHTS_TIMER,
     TIMERS,
 )
-from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib.losses import (
@@ -46,7 +44,7 @@ from m2po_rllib.losses import (
     compute_advantages,
     policy_loss_params,
 )
-from m2po_rllib.rollout.batch import concat_rollouts, num_rows, take_rows, to_train_batch
+from m2po_rllib.rollout.batch import concat_rollouts, learner_order, num_rows, take_rows, to_train_batch
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +69,7 @@ class M2POConfig(AlgorithmConfig):
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or M2PO)
+        from m2po_rllib.evaluation import evaluate_heldout
         from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
         # -- training() -----------------------------------------------------------------
@@ -511,50 +510,6 @@ class M2PO(Algorithm):
     @property
     def stale_queue(self) -> list[dict]:
         return list(self._queue)
-
-
-def learner_order(n: int, minibatch: int, num_learners: int) -> np.ndarray:
-    """Row order that makes RLlib's contiguous sharding + minibatching reproduce the global
-    minibatches: learner l's j-th minibatch is the l-th slice of global minibatch j."""
-    if num_learners == 1:
-        return np.arange(n)
-    idx = np.arange(n).reshape(n // minibatch, num_learners, minibatch // num_learners)
-    return idx.transpose(1, 0, 2).reshape(-1)
-
-
-def evaluate_heldout(algo: M2PO, eval_group) -> tuple[dict, int, int]:
-    """RLlib custom evaluation function: greedy (and mean@k) accuracy on held-out problems."""
-    cfg = algo.config
-    group = eval_group if eval_group is not None and eval_group.num_remote_env_runners() > 0 else algo.env_runner_group
-    local, n = algo._runner_plan(group)
-    total = int(cfg.evaluation_duration)
-    shards = [list(range(i, total, n)) for i in range(n)]
-    samples = cfg.eval_samples
-    seed = (cfg.seed or 0) + 7_777
-
-    if local:
-        results = [group.local_env_runner.evaluate(indices=shards[0], samples=samples, seed=seed)]
-    else:
-        results = group.foreach_env_runner(
-            lambda runner: runner.evaluate(
-                indices=shards[(runner.worker_index - 1) % n], samples=samples, seed=seed
-            ),
-            local_env_runner=False,
-        )
-    counts = collections.Counter()
-    for r in results:
-        counts.update(r)
-    logger_ = MetricsLogger(root=False)
-    from m2po_rllib.rollout.env_runner import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_RESPONSE_LEN
-
-    logger_.log_value(EVAL_ACCURACY, counts["greedy_correct"] / max(1, counts["n"]), window=1)
-    logger_.log_value(EVAL_RESPONSE_LEN, counts["tokens"] / max(1, counts["n"]), window=1)
-    if counts["sampled_n"]:
-        logger_.log_value(EVAL_MEAN_AT_K, counts["sampled_correct"] / counts["sampled_n"], window=1)
-    logger_.log_value("num_problems", counts["n"], window=1)
-    algo.metrics.aggregate([logger_.reduce()], key=(EVALUATION_RESULTS, ENV_RUNNER_RESULTS))
-    steps = int(counts["n"] + counts["sampled_n"])
-    return {}, steps, steps
 
 
 def _register() -> None:

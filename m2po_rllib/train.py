@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 
 import _test_envs  # noqa: E402
 from m2po_rllib import M2POConfig  # noqa: E402
-from m2po_rllib.m2po import learner_order  # noqa: E402
+from m2po_rllib.rollout.batch import learner_order  # noqa: E402
 from m2po_rllib.rollout.batch import concat_rollouts, pack_rollouts, to_train_batch  # noqa: E402
 
 

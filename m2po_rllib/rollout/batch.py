@@ -110,3 +110,12 @@ def to_train_batch(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict
         "advantages": advantages.astype(np.float32),
         "policy_version": batch["policy_version"],
     }
+
+
+def learner_order(n: int, minibatch: int, num_learners: int) -> np.ndarray:
+    """Row order that makes RLlib's contiguous sharding + minibatching reproduce the global
+    minibatches: learner l's j-th minibatch is the l-th slice of global minibatch j."""
+    if num_learners == 1:
+        return np.arange(n)
+    idx = np.arange(n).reshape(n // minibatch, num_learners, minibatch // num_learners)
+    return idx.transpose(1, 0, 2).reshape(-1)

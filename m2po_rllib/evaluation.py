@@ -1,0 +1,44 @@
+"""Held-out evaluation for M2PO, run through RLlib's `Algorithm.evaluate()` machinery
+(`custom_evaluation_function`), on the training EnvRunners unless dedicated ones exist."""
+
+from __future__ import annotations
+
+import collections
+
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, EVALUATION_RESULTS
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+from m2po_rllib.rollout.env_runner import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_RESPONSE_LEN
+
+
+def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
+    """RLlib custom evaluation function: greedy (and mean@k) accuracy on held-out problems."""
+    cfg = algo.config
+    group = eval_group if eval_group is not None and eval_group.num_remote_env_runners() > 0 else algo.env_runner_group
+    local, n = algo._runner_plan(group)
+    total = int(cfg.evaluation_duration)
+    shards = [list(range(i, total, n)) for i in range(n)]
+    samples = cfg.eval_samples
+    seed = (cfg.seed or 0) + 7_777
+
+    if local:
+        results = [group.local_env_runner.evaluate(indices=shards[0], samples=samples, seed=seed)]
+    else:
+        results = group.foreach_env_runner(
+            lambda runner: runner.evaluate(
+                indices=shards[(runner.worker_index - 1) % n], samples=samples, seed=seed
+            ),
+            local_env_runner=False,
+        )
+    counts = collections.Counter()
+    for r in results:
+        counts.update(r)
+    logger_ = MetricsLogger(root=False)
+    logger_.log_value(EVAL_ACCURACY, counts["greedy_correct"] / max(1, counts["n"]), window=1)
+    logger_.log_value(EVAL_RESPONSE_LEN, counts["tokens"] / max(1, counts["n"]), window=1)
+    if counts["sampled_n"]:
+        logger_.log_value(EVAL_MEAN_AT_K, counts["sampled_correct"] / counts["sampled_n"], window=1)
+    logger_.log_value("num_problems", counts["n"], window=1)
+    algo.metrics.aggregate([logger_.reduce()], key=(EVALUATION_RESULTS, ENV_RUNNER_RESULTS))
+    steps = int(counts["n"] + counts["sampled_n"])
+    return {}, steps, steps

@@ -47,13 +47,24 @@ def _flatten(result: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def _quiet() -> None:
+    """Keep the job's output readable: RLlib's API-stack notices and transformers' weight
+    loading bars say nothing actionable here. Errors still show."""
+    logging.getLogger("ray.rllib").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def _init_ray():
     import ray
 
     if not ray.is_initialized():
         # Under `ray job submit` (RAY_ADDRESS set) this joins the cluster; else a local Ray.
         ray.init(include_dashboard=False, logging_level=logging.WARNING, ignore_reinit_error=True)
-    logging.getLogger("ray.rllib").setLevel(logging.WARNING)
 
 
 def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:
@@ -92,6 +103,7 @@ def run_training(
     from m2po_rllib.config_io import apply_overrides, config_from_spec, load_spec
     from m2po_rllib.m2po import M2PO
 
+    _quiet()
     if resume:
         run_dir = Path(resume).resolve()
         meta_path = run_dir / "run.json"
@@ -271,6 +283,7 @@ def run_eval(
     from m2po_rllib.export import export_checkpoint
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
+    _quiet()
     if config_path:
         spec = load_spec(config_path)
     elif checkpoint and (Path(checkpoint) / "run.json").exists():

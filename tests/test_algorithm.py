@@ -202,6 +202,10 @@ def test_heldout_evaluation_through_rllib(ray_session, tiny_model_dir):
     algo = cfg.build_algo()
     try:
         result = algo.train()
+        runners = result["env_runners"]
+        # every completion went through the verifier, and its counters reach the results
+        assert runners["reward/fast_path"] + runners["reward/slow_path"] >= 16
+        assert runners["reward/timeouts"] == 0
         ev = result["evaluation"]["env_runners"]
         assert ev["num_problems"] == 6
         assert 0.0 <= ev["eval/accuracy"] <= 1.0 and 0.0 <= ev["eval/mean_at_k"] <= 1.0

@@ -25,6 +25,7 @@ from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.utils.checkpoints import Checkpointable
 
+from envs.reward import shared_verifier
 from m2po_rllib.rollout.batch import pack_rollouts
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value(GENERATE_S, t_gen, reduce="mean")
         self.metrics.log_value(SCORE_S, t_score, reduce="mean")
         self.metrics.log_value(ENGINE_VERSION, engine.version, reduce="max")
+        # The verifier's counters (reward/timeouts, reward/errors, fast/slow path, ...).
+        for key, count in shared_verifier().metrics(reset=True).items():
+            self.metrics.log_value(key, count, reduce="sum")
         self.metrics.log_value("num_env_steps_sampled_lifetime", len(rewards), reduce="lifetime_sum")
         self.metrics.log_value("num_episodes_lifetime", len(rewards), reduce="lifetime_sum")
         return batch

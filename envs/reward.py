@@ -273,7 +273,7 @@ class MathVerifier:
             raise TypeError(f"ground_truth must be str or int, got {type(ground_truth).__name__}")
         gold, gold_value = _gold(str(ground_truth))
         found = extract_answer(text, allow_or="or" in gold.lower())
-        if found.answer is None:
+        if found.answer is None or not found.answer.strip():  # no answer, or `\boxed{}`
             return self._fast(False, None, "reward/no_answer")
         if found.hedged:
             return self._fast(False, found.answer, "reward/hedged")

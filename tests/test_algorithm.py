@@ -293,3 +293,20 @@ def test_runner_ignores_stale_and_duplicate_weight_syncs(tiny_model_dir):
         np.testing.assert_array_equal(runner.sample(num_prompts=2, seed=1)["policy_version"], 3)
     finally:
         runner.stop()
+
+
+def test_runners_sharing_a_round_seed_draw_different_prompts(tiny_model_dir):
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+    cfg = tiny_config(tiny_model_dir).environment("m2po/Arithmetic-v0", env_config={"digits": 3, "template": "compact"})
+    prompts = []
+    for worker_index in (1, 2):
+        runner = LLMEnvRunner(config=cfg, worker_index=worker_index)
+        try:
+            batch = runner.sample(num_prompts=4, seed=7)
+            again = runner.sample(num_prompts=4, seed=7)
+            np.testing.assert_array_equal(batch["prompt_ids"], again["prompt_ids"])  # seeded
+            prompts.append(batch["prompt_ids"])
+        finally:
+            runner.stop()
+    assert prompts[0].shape != prompts[1].shape or not np.array_equal(prompts[0], prompts[1])

@@ -154,10 +154,11 @@ def test_equal_fractions_in_any_form_are_correct(a, b, k):
 
 def test_fast_path_starts_no_child():
     v = MathVerifier()
-    assert v.score_batch([(r"\boxed{5}", "5"), ("#### 1,000", "1000"), ("nothing", "3")]) == [1.0, 1.0, 0.0]
+    pairs = [(r"\boxed{5}", "5"), ("#### 1,000", "1000"), ("nothing", "3"), (r"\boxed{ }", "3")]
+    assert v.score_batch(pairs) == [1.0, 1.0, 0.0, 0.0]
     assert v.child_pids() == []
     m = v.metrics()
-    assert (m["reward/fast_path"], m["reward/slow_path"], m["reward/no_answer"]) == (3, 0, 1)
+    assert (m["reward/fast_path"], m["reward/slow_path"], m["reward/no_answer"]) == (4, 0, 2)
 
 
 @pytest.mark.parametrize(

@@ -190,15 +190,19 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         envs = self._envs(num_prompts * g)
         prompts = []
         for p in range(num_prompts):
-            prompt_seed = int(np.random.SeedSequence([seed, p]).generate_state(1)[0])
+            # Runners share the round seed; each draws its own prompts.
+            prompt_seed = int(np.random.SeedSequence([seed, self.worker_index, 0, p]).generate_state(1)[0])
             for j in range(g):
                 obs, _ = envs[p * g + j].reset(seed=prompt_seed)
             prompts.append(obs["prompt"] if isinstance(obs, dict) else obs)
         prompt_ids = self._encode(prompts)
 
         engine = self.engine
+        # Requests draw from seeds base + i; spread the rounds' bases so that consecutive
+        # rounds (seed, seed + 1) do not share per-request random streams.
+        base = int(np.random.SeedSequence([seed, self.worker_index, 1]).generate_state(1)[0] >> 1)
         t0 = time.perf_counter()
-        groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=seed))
+        groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
         t_gen = time.perf_counter() - t0
 
         t0 = time.perf_counter()

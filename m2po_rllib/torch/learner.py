@@ -20,22 +20,40 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+# Token-level means and the token count each averages over (default: the valid tokens).
+_MEAN_WEIGHTS = {"m2po/m2_after": "m2po/kept_tokens", "m2po/entropy_masked": "m2po/masked_tokens"}
+_VALID = "policy/valid_tokens"
+
+
 def _reduce_over_learners(metrics: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """Whole-minibatch metrics from per-shard ones: counts and the loss add up, maxima take
-    the max, the rest average (shards are equal-sized). RLlib then averages equal values."""
+    the max, means are re-weighted by the tokens they average over. RLlib then averages the
+    (now identical) values of the learners."""
     keys = sorted(metrics)
     summed = [k for k in keys if k.endswith("_tokens") or k == "policy/loss"]
     maxed = [k for k in keys if k.endswith("_max")]
-    averaged = [k for k in keys if k not in summed and k not in maxed]
+    means = [k for k in keys if k not in summed and k not in maxed]
+
+    def weight(k):
+        return metrics.get(_MEAN_WEIGHTS.get(k, _VALID), torch.ones(())).reshape(()).float().to(device)
+
+    # one SUM all-reduce: the counts, the loss, and (mean x weight, weight) for each mean
+    parts = [metrics[k].reshape(()).float().to(device) for k in summed]  # NCCL needs device tensors
+    for k in means:
+        w = weight(k)
+        parts += [torch.nan_to_num(metrics[k].reshape(()).float().to(device)) * w, w]
     out = {}
-    for names, op in ((summed, dist.ReduceOp.SUM), (maxed, dist.ReduceOp.MAX), (averaged, dist.ReduceOp.SUM)):
-        if not names:
-            continue
-        buf = torch.stack([metrics[k].reshape(()).to(device) for k in names])  # NCCL needs device tensors
-        dist.all_reduce(buf, op=op)
-        if names is averaged:
-            buf /= dist.get_world_size()
-        out.update(zip(names, buf))
+    if parts:
+        buf = torch.stack(parts)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        out.update(zip(summed, buf[: len(summed)]))
+        pairs = buf[len(summed) :].reshape(-1, 2)
+        for k, (total, w) in zip(means, pairs):
+            out[k] = total / w if w > 0 else torch.tensor(float("nan"), device=device)
+    if maxed:
+        buf = torch.stack([metrics[k].reshape(()).float().to(device) for k in maxed])
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        out.update(zip(maxed, buf))
     return out
 
 

@@ -18,7 +18,6 @@ TRAIN_ACC = ("env_runners", "rollout/accuracy")
 TOKENS_PER_S = ("env_runners", "rollout/tokens_per_s")
 MASKED = ("learners", "default_policy", "m2po/masked_frac")
 CLIPPED_KEYS = ("grpo/clipped_frac", "gspo/clipped_frac", "m2po/clipped_frac")
-STALENESS = ("staleness/mean",)
 
 RUN_DEFAULTS = {"stop_iters": 100, "stop_minutes": None, "checkpoint_every": 10, "eval_at_start": True}
 

@@ -7,7 +7,7 @@ that importing the loss library stays cheap.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "M2POConfig": "m2po_rllib.m2po",
+    "M2POConfig": "m2po_rllib.config",
     "M2PO": "m2po_rllib.m2po",
 }
 

@@ -92,7 +92,7 @@ def load_spec(path: str) -> dict:
 
 def config_from_spec(spec: dict, config_cls=None):
     if config_cls is None:
-        from m2po_rllib.m2po import M2POConfig as config_cls
+        from m2po_rllib.config import M2POConfig as config_cls
     config = config_cls()
     unknown = set(spec) - set(SECTIONS) - {JOB_SECTION}
     if unknown:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -210,6 +212,25 @@ def test_heldout_evaluation_through_rllib(ray_session, tiny_model_dir):
         assert ev["num_problems"] == 6
         assert 0.0 <= ev["eval/accuracy"] <= 1.0 and 0.0 <= ev["eval/mean_at_k"] <= 1.0
         assert ev["eval/response_len_mean"] > 0
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_remote_runner_starts_without_a_restart(ray_session, tiny_model_dir):
+    """The first weight sync reaches a remote runner as a nested ObjectRef; it must load it,
+    not crash and be restarted by RLlib (which cost ~60 s per start-up)."""
+    cfg = tiny_config(tiny_model_dir).env_runners(num_env_runners=1)
+    cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 1})  # the test env is not registered in actors
+    algo = cfg.build_algo()
+    try:
+        pid = algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False)
+        for _ in range(2):
+            result = algo.train()
+        assert result["fault_tolerance"]["num_remote_worker_restarts"] == 0
+        assert algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False) == pid
+        # the remote runner sampled round 2 with the weights synced after step 1
+        assert result["env_runners"]["rollout/engine_policy_version"] == 2
     finally:
         algo.stop()
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import ray
 
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
@@ -279,7 +280,12 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     # -- state ----------------------------------------------------------------------------
     def set_state(self, state: dict) -> None:
-        module_state = (state.get(COMPONENT_RL_MODULE) or {}).get(DEFAULT_MODULE_ID)
+        # RLlib sends remote runners the module state as one ObjectRef nested in the dict
+        # (`sync_env_runner_states`, `sync_weights`); Ray resolves only top-level arguments.
+        module_state = state.get(COMPONENT_RL_MODULE)
+        if isinstance(module_state, ray.ObjectRef):
+            module_state = ray.get(module_state)
+        module_state = (module_state or {}).get(DEFAULT_MODULE_ID)
         if not module_state or "weights" not in module_state:
             return
         version = int(module_state.get("policy_version", 0))

@@ -1,0 +1,313 @@
+"""`M2POConfig`: every M2PO setting, its default and its meaning, once; `validate()`.
+
+Settings mirror RLlib's config methods (`training()`, `env_runners()`, `evaluation()`), so
+YAML configs (`configs/*.yaml`, see `config_io.py`) and Ray Tune param spaces use the same
+names. `validate()` rejects inconsistent values with the setting, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+from ray.rllib.utils.annotations import override
+
+from m2po_rllib.losses import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGG_MODES,
+    MASK_SCOPES,
+    POLICY_LOSSES,
+    policy_loss_params,
+)
+
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")
+
+
+class M2POConfig(AlgorithmConfig):
+    """Configuration of M2PO (and of the baselines, through `policy_loss`).
+
+    Every M2PO-specific setting has its default and its meaning here, once.
+    """
+
+    def __init__(self, algo_class=None):
+        from m2po_rllib.m2po import M2PO
+
+        super().__init__(algo_class=algo_class or M2PO)
+        from m2po_rllib.evaluation import evaluate_heldout
+        from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+        # -- training() -----------------------------------------------------------------
+        # Policy loss by name: m2po | m2po_official | grpo | grpo_no_tr | gspo.
+        self.policy_loss = "m2po"
+        # tau: bound on the second moment of the log importance ratios (paper: 0.04).
+        self.m2_threshold = 0.04
+        # Clip bounds for the clip losses; None = the loss's own default (GRPO 0.2/0.2,
+        # GSPO 3e-4/4e-4). eps_high > eps_low is DAPO's clip-higher.
+        self.eps_low = None
+        self.eps_high = None
+        # Extra keyword arguments for the policy loss (validated against its signature).
+        self.policy_loss_kwargs = {}
+        # token-mean (paper) | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO).
+        self.loss_agg_mode = "token-mean"
+        # global: the M2PO mask is a property of the optimizer minibatch, across learners;
+        # local: per learner shard (cheaper, split-dependent, as other implementations).
+        self.mask_scope = "global"
+        # grpo (mean/std) | drgrpo (mean only) | rloo.
+        self.advantage_estimator = "grpo"
+        # Completions per prompt (the GRPO group).
+        self.group_size = 8
+        # Prompts per training step, over all EnvRunners.
+        self.prompts_per_step = 32
+        # Prompts per optimizer minibatch: updates per step = prompts_per_step / minibatch_prompts.
+        self.minibatch_prompts = 8
+        # Data lag in optimizer updates (stale-k); a multiple of updates per step.
+        self.staleness = 0
+        # Recompute behaviour log-probs with the learner at generation time (the official
+        # code's choice) instead of trusting the rollout engine's.
+        self.recompute_behavior_logp = False
+        # Measure |engine log-prob - learner log-prob| every this many steps (0 = never).
+        self.logp_mismatch_interval = 1
+        self.lr = 1e-6
+        self.grad_clip = 1.0
+        self.grad_clip_by = "global_norm"
+        self.weight_decay = 0.0
+        self.adam_betas = (0.9, 0.999)
+        self.num_epochs = 1
+
+        # -- env_runners() ----------------------------------------------------------------
+        self.env_runner_cls = LLMEnvRunner
+        # auto: vllm with a GPU, else the transformers engine (faster for tiny models
+        # on CPU; see README).
+        self.rollout_engine = "auto"
+        self.engine_kwargs = {}
+        self.temperature = 1.0
+        self.top_p = 1.0
+        self.max_new_tokens = 64
+        self.stop = []
+
+        # -- evaluation() -----------------------------------------------------------------
+        # Held-out evaluation on the training runners (greedy; mean@k with eval_samples > 1).
+        self.evaluation_duration = 200
+        self.evaluation_duration_unit = "episodes"
+        self.eval_samples = 1
+        self.custom_evaluation_function = evaluate_heldout
+
+    # -------------------------------------------------------------------------------------
+    @override(AlgorithmConfig)
+    def training(
+        self,
+        *,
+        policy_loss=NotProvided,
+        m2_threshold=NotProvided,
+        eps_low=NotProvided,
+        eps_high=NotProvided,
+        policy_loss_kwargs=NotProvided,
+        loss_agg_mode=NotProvided,
+        mask_scope=NotProvided,
+        advantage_estimator=NotProvided,
+        group_size=NotProvided,
+        prompts_per_step=NotProvided,
+        minibatch_prompts=NotProvided,
+        staleness=NotProvided,
+        recompute_behavior_logp=NotProvided,
+        logp_mismatch_interval=NotProvided,
+        weight_decay=NotProvided,
+        adam_betas=NotProvided,
+        **kwargs,
+    ) -> Self:
+        super().training(**kwargs)
+        self._set_provided(
+            policy_loss=policy_loss,
+            m2_threshold=m2_threshold,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            policy_loss_kwargs=policy_loss_kwargs,
+            loss_agg_mode=loss_agg_mode,
+            mask_scope=mask_scope,
+            advantage_estimator=advantage_estimator,
+            group_size=group_size,
+            prompts_per_step=prompts_per_step,
+            minibatch_prompts=minibatch_prompts,
+            staleness=staleness,
+            recompute_behavior_logp=recompute_behavior_logp,
+            logp_mismatch_interval=logp_mismatch_interval,
+            weight_decay=weight_decay,
+            adam_betas=adam_betas,
+        )
+        return self
+
+    @override(AlgorithmConfig)
+    def env_runners(
+        self,
+        *,
+        rollout_engine=NotProvided,
+        engine_kwargs=NotProvided,
+        temperature=NotProvided,
+        top_p=NotProvided,
+        max_new_tokens=NotProvided,
+        stop=NotProvided,
+        **kwargs,
+    ) -> Self:
+        super().env_runners(**kwargs)
+        self._set_provided(
+            rollout_engine=rollout_engine,
+            engine_kwargs=engine_kwargs,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+        )
+        return self
+
+    @override(AlgorithmConfig)
+    def evaluation(self, *, eval_samples=NotProvided, **kwargs) -> Self:
+        super().evaluation(**kwargs)
+        self._set_provided(eval_samples=eval_samples)
+        return self
+
+    def _set_provided(self, **settings) -> None:
+        for name, value in settings.items():
+            if value is not NotProvided:
+                setattr(self, name, value)
+
+    # -- derived quantities ---------------------------------------------------------------
+    @property
+    def updates_per_step(self) -> int:
+        return self.num_epochs * (self.prompts_per_step // self.minibatch_prompts)
+
+    @property
+    def queue_lag_steps(self) -> int:
+        """Training steps between generating a round and training on it."""
+        return self.staleness // self.updates_per_step
+
+    @property
+    def minibatch_size_per_learner(self) -> int:
+        return self.minibatch_prompts * self.group_size // max(1, self.num_learners)
+
+    def resolved_rollout_engine(self) -> str:
+        if self.rollout_engine != "auto":
+            return self.rollout_engine
+        return "vllm" if torch.cuda.is_available() else "hf"
+
+    def policy_loss_params(self) -> dict[str, Any]:
+        """Keyword arguments for `compute_policy_loss(self.policy_loss, ...)`."""
+        accepted = policy_loss_params(self.policy_loss)
+        params = {}
+        for name, value in (("m2_threshold", self.m2_threshold), ("eps_low", self.eps_low), ("eps_high", self.eps_high)):
+            if name in accepted and value is not None:
+                params[name] = value
+        params.update(self.policy_loss_kwargs or {})
+        return params
+
+    # -- RLlib hooks ----------------------------------------------------------------------
+    @override(AlgorithmConfig)
+    def get_default_rl_module_spec(self) -> RLModuleSpec:
+        from m2po_rllib.torch.rl_module import HFCausalLMModule
+
+        return RLModuleSpec(module_class=HFCausalLMModule)
+
+    @override(AlgorithmConfig)
+    def get_default_learner_class(self):
+        from m2po_rllib.torch.learner import M2POTorchLearner
+
+        return M2POTorchLearner
+
+    @override(AlgorithmConfig)
+    def validate(self) -> None:
+        super().validate()
+        errors = []
+
+        def bad(msg):
+            errors.append(msg)
+
+        if self.policy_loss not in POLICY_LOSSES:
+            bad(f"`policy_loss` ({self.policy_loss!r}) must be one of {sorted(POLICY_LOSSES)}")
+        else:
+            accepted = policy_loss_params(self.policy_loss)
+            unknown = set(self.policy_loss_kwargs or {}) - set(accepted)
+            if unknown:
+                bad(
+                    f"`policy_loss_kwargs` has {sorted(unknown)}, which `{self.policy_loss}` does "
+                    f"not take; it accepts {sorted(accepted)}"
+                )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            bad(f"`loss_agg_mode` ({self.loss_agg_mode!r}) must be one of {list(LOSS_AGG_MODES)}")
+        if self.mask_scope not in MASK_SCOPES:
+            bad(f"`mask_scope` ({self.mask_scope!r}) must be one of {list(MASK_SCOPES)}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            bad(
+                f"`advantage_estimator` ({self.advantage_estimator!r}) must be one of "
+                f"{list(ADVANTAGE_ESTIMATORS)}"
+            )
+        if not (isinstance(self.m2_threshold, (int, float)) and self.m2_threshold > 0):
+            bad(f"`m2_threshold` ({self.m2_threshold}) must be > 0; the paper uses 0.04")
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            bad(f"`group_size` ({self.group_size}) must be an int >= 2: group-relative advantages need 2+ samples per prompt")
+        for name in ("prompts_per_step", "minibatch_prompts", "num_epochs", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                bad(f"`{name}` ({value}) must be a positive int")
+        if errors:
+            self._raise(errors)
+        if self.minibatch_prompts > self.prompts_per_step:
+            bad(
+                f"`minibatch_prompts` ({self.minibatch_prompts}) must be <= `prompts_per_step` "
+                f"({self.prompts_per_step}); lower minibatch_prompts or raise prompts_per_step"
+            )
+        elif self.prompts_per_step % self.minibatch_prompts:
+            bad(
+                f"`prompts_per_step` ({self.prompts_per_step}) must be a multiple of "
+                f"`minibatch_prompts` ({self.minibatch_prompts})"
+            )
+        elif not isinstance(self.staleness, int) or self.staleness < 0 or self.staleness % self.updates_per_step:
+            bad(
+                f"`staleness` ({self.staleness}) must be a non-negative multiple of the optimizer "
+                f"updates per step ({self.updates_per_step} = num_epochs x prompts_per_step / "
+                f"minibatch_prompts); e.g. staleness={self.updates_per_step * max(1, round(self.staleness / self.updates_per_step)) if isinstance(self.staleness, int) else 0}"
+            )
+        runners = max(1, self.num_env_runners)
+        if self.prompts_per_step % runners:
+            bad(
+                f"`prompts_per_step` ({self.prompts_per_step}) must be a multiple of "
+                f"`num_env_runners` ({self.num_env_runners}) so each runner samples whole groups"
+            )
+        learners = max(1, self.num_learners)
+        if (self.minibatch_prompts * self.group_size) % learners:
+            bad(
+                f"a minibatch ({self.minibatch_prompts} prompts x {self.group_size}) must split evenly "
+                f"over `num_learners` ({self.num_learners})"
+            )
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            bad(f"`rollout_engine` ({self.rollout_engine!r}) must be one of {list(ROLLOUT_ENGINES)}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            bad(f"`temperature` ({self.temperature}) must be > 0 for training rollouts")
+        if not (0 < self.top_p <= 1):
+            bad(f"`top_p` ({self.top_p}) must be in (0, 1]")
+        if not (self.model_config or {}).get("model"):
+            bad(
+                "no model: set `.rl_module(model_config={'model': <HF dir, hub name or "
+                "'builtin:arith-tiny'>})`"
+            )
+        if self.env is None:
+            bad("no env: set `.environment('m2po/Arithmetic-v0', env_config={...})`")
+        if self.evaluation_interval and self.evaluation_duration_unit != "episodes":
+            bad("`evaluation_duration_unit` must be 'episodes' (held-out problems) for M2PO")
+        if not isinstance(self.eval_samples, int) or self.eval_samples < 1:
+            bad(f"`eval_samples` ({self.eval_samples}) must be an int >= 1")
+        if errors:
+            self._raise(errors)
+
+    @staticmethod
+    def _raise(errors):
+        raise ValueError("Invalid M2POConfig:\n  - " + "\n  - ".join(errors))
+
+    # -- YAML -----------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str, overrides: dict | None = None) -> "M2POConfig":
+        from m2po_rllib.config_io import config_from_yaml
+
+        return config_from_yaml(path, overrides=overrides, config_cls=cls)

@@ -18,3 +18,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from m2po_rllib.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A Ray instance of this test module's own: its own temp dir (so parallel test runs and
+    other people's Ray on the machine are never touched) and random free ports (what
+    `ray.init()` picks when it starts a local instance). `ray.shutdown()` ends only it."""
+    import shutil
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    # Short path: Ray's unix sockets live under it and must stay under ~100 characters.
+    temp_dir = tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -16,13 +16,6 @@ from m2po_rllib.rollout.batch import learner_order  # noqa: E402
 from m2po_rllib.rollout.batch import concat_rollouts, pack_rollouts, to_train_batch  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 def tiny_config(model_dir: str, **training) -> M2POConfig:
     params = dict(
         policy_loss="m2po",

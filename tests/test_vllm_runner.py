@@ -15,13 +15,6 @@ from m2po_rllib import M2POConfig  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session, tiny_model_dir):
     config = (
         M2POConfig()

@@ -17,8 +17,9 @@ episode is one step. With max_turns > 1 a wrong answer appends the completion an
 `feedback(...)` to the conversation and the episode goes on; override `feedback` for
 other multi-turn tasks.
 
-Scoring many completions at once (the runner's hot path): `env.score_batch(completions,
-answers)`, or `envs.shared_verifier().check_batch(pairs)` directly.
+Scoring many completions at once (the runner's hot path): `env.score_group(completions)`
+scores a group of completions of the current problem; `env.score_batch(completions,
+answers)` or `envs.shared_verifier().check_batch(pairs)` score arbitrary pairs.
 """
 
 from __future__ import annotations
@@ -142,6 +143,15 @@ class MathTextEnv(gym.Env):
         return f"The answer {verdict.extracted} is not correct. Try again. {INSTRUCTION}"
 
     # -- batched scoring ----------------------------------------------------------------
+    def score_group(self, completions) -> list[Verdict]:
+        """Scores each completion as a one-turn answer to the current problem, in one batched
+        verifier call, without advancing the episode: the G samples of a GRPO group share one
+        `reset`. Same rewards as `step` on a fresh episode of this problem; override it with
+        `step` when a subclass changes the reward."""
+        if self.problem is None:
+            raise RuntimeError("score_group() called before reset()")
+        return shared_verifier().check_batch([(c, self.problem.answer) for c in completions])
+
     @staticmethod
     def score_batch(completions, answers) -> list[float]:
         """Rewards of many completions against their gold answers (slow ones in parallel)."""

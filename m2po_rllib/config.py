@@ -69,8 +69,23 @@ class M2POConfig(AlgorithmConfig):
         # Recompute behaviour log-probs with the learner at generation time (the official
         # code's choice) instead of trusting the rollout engine's.
         self.recompute_behavior_logp = False
-        # Measure |engine log-prob - learner log-prob| every this many steps (0 = never).
-        self.logp_mismatch_interval = 1
+        # Measure |engine log-prob - learner log-prob| every this many steps (0 = never), on
+        # one minibatch's worth of the round, on one learner (sync mode; see README).
+        self.logp_mismatch_interval = 10
+        # Asynchronous rollouts (async_rollouts.py): remote EnvRunners generate while the
+        # learners train, and `max_staleness` bounds the age, in optimizer updates, of every
+        # trained token (at least (broadcast_interval + 1) x updates_per_step - 1, what one
+        # round in flight implies). Off: the paper's exact stale-k protocol (`staleness`).
+        self.async_rollouts = False
+        self.max_staleness = None
+        # Training steps between weight broadcasts to the EnvRunners.
+        self.broadcast_interval = 1
+        # Sequences per forward/backward on each learner, with gradient accumulation over
+        # the minibatch (None: the whole per-learner minibatch at once).
+        self.micro_batch_size = None
+        # Response positions per chunk of the log-prob / entropy computation: peak memory
+        # O(micro_batch_size x logp_chunk_size x vocab) instead of the whole response.
+        self.logp_chunk_size = 256
         self.lr = 1e-6
         self.grad_clip = 1.0
         self.grad_clip_by = "global_norm"
@@ -80,6 +95,14 @@ class M2POConfig(AlgorithmConfig):
 
         # -- env_runners() ----------------------------------------------------------------
         self.env_runner_cls = LLMEnvRunner
+        # Async mode keeps one more round queued on each runner, so it never waits for the
+        # driver between rounds (admission control still bounds the staleness).
+        self.max_requests_in_flight_per_env_runner = 2
+        # Longest wait for a round (or an update) before training stops with an error.
+        self.sample_timeout_s = 600.0
+        # LLM runners have no connector state to merge; RLlib's per-iteration merge would ask
+        # every runner for it and wait behind its round in flight (IMPALA turns it off too).
+        self._dont_auto_sync_env_runner_states = True
         # auto: vllm with a GPU, else the transformers engine (faster for tiny models
         # on CPU; see README).
         self.rollout_engine = "auto"
@@ -115,6 +138,11 @@ class M2POConfig(AlgorithmConfig):
         staleness=NotProvided,
         recompute_behavior_logp=NotProvided,
         logp_mismatch_interval=NotProvided,
+        async_rollouts=NotProvided,
+        max_staleness=NotProvided,
+        broadcast_interval=NotProvided,
+        micro_batch_size=NotProvided,
+        logp_chunk_size=NotProvided,
         weight_decay=NotProvided,
         adam_betas=NotProvided,
         **kwargs,
@@ -135,6 +163,11 @@ class M2POConfig(AlgorithmConfig):
             staleness=staleness,
             recompute_behavior_logp=recompute_behavior_logp,
             logp_mismatch_interval=logp_mismatch_interval,
+            async_rollouts=async_rollouts,
+            max_staleness=max_staleness,
+            broadcast_interval=broadcast_interval,
+            micro_batch_size=micro_batch_size,
+            logp_chunk_size=logp_chunk_size,
             weight_decay=weight_decay,
             adam_betas=adam_betas,
         )
@@ -298,8 +331,56 @@ class M2POConfig(AlgorithmConfig):
             bad("`evaluation_duration_unit` must be 'episodes' (held-out problems) for M2PO")
         if not isinstance(self.eval_samples, int) or self.eval_samples < 1:
             bad(f"`eval_samples` ({self.eval_samples}) must be an int >= 1")
+        for name in ("micro_batch_size",):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                bad(f"`{name}` ({value}) must be a positive int (sequences per forward/backward) or None")
+        for name in ("logp_chunk_size", "broadcast_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                bad(f"`{name}` ({value}) must be a positive int")
         if errors:
             self._raise(errors)
+        if self.async_rollouts and not self.in_evaluation:  # evaluation has its own runners
+            self._validate_async(bad)
+        if errors:
+            self._raise(errors)
+
+    @property
+    def min_max_staleness(self) -> int:
+        """The smallest `max_staleness` async mode can keep: a round generated while the
+        previous step trains is trained up to (broadcast_interval + 1) x updates_per_step - 1
+        updates after the weights that made it."""
+        return (self.broadcast_interval + 1) * self.updates_per_step - 1
+
+    def _validate_async(self, bad) -> None:
+        if self.num_env_runners < 1:
+            bad(
+                f"`async_rollouts` needs remote EnvRunners to generate while the learners train; "
+                f"`num_env_runners` is {self.num_env_runners}: set it to >= 1 (or async_rollouts=False)"
+            )
+        if self.staleness:
+            bad(
+                f"`staleness` ({self.staleness}) is the exact-k protocol of synchronous runs; with "
+                "`async_rollouts` the bound is `max_staleness`: set staleness=0"
+            )
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool):
+            bad(
+                f"`max_staleness` ({self.max_staleness}) must be an int with async_rollouts: the bound, "
+                f"in optimizer updates, on the age of every trained token (>= {self.min_max_staleness})"
+            )
+        elif self.max_staleness < self.min_max_staleness:
+            bad(
+                f"`max_staleness` ({self.max_staleness}) must be >= {self.min_max_staleness} = "
+                f"(broadcast_interval + 1) x updates_per_step - 1 ({self.broadcast_interval} + 1) x "
+                f"{self.updates_per_step} - 1: one round in flight while the previous step trains is "
+                f"already that old; raise max_staleness, or use async_rollouts=False for on-policy data"
+            )
+        if self.recompute_behavior_logp:
+            bad(
+                "`recompute_behavior_logp` needs the learner to hold the generating weights when a "
+                "round arrives, which async rollouts never guarantee; set it to False"
+            )
 
     @staticmethod
     def _raise(errors):

@@ -12,29 +12,33 @@ from m2po_rllib.rollout.env_runner import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_RE
 
 
 def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
-    """RLlib custom evaluation function: greedy (and mean@k) accuracy on held-out problems."""
+    """RLlib custom evaluation function: greedy (and mean@k) accuracy on held-out problems,
+    with the learners' current weights (they ride with the request)."""
     cfg = algo.config
     group = eval_group if eval_group is not None and eval_group.num_remote_env_runners() > 0 else algo.env_runner_group
-    local, n = algo._runner_plan(group)
+    n = max(1, group.num_remote_env_runners())
     total = int(cfg.evaluation_duration)
     shards = [list(range(i, total, n)) for i in range(n)]
     samples = cfg.eval_samples
     seed = (cfg.seed or 0) + 7_777
+    weights = algo._learner_weights()
 
-    if local:
-        results = [group.local_env_runner.evaluate(indices=shards[0], samples=samples, seed=seed)]
+    if group.num_remote_env_runners() == 0:
+        results = [group.local_env_runner.evaluate(indices=shards[0], samples=samples, seed=seed, weights=weights)]
     else:
         results = group.foreach_env_runner(
             lambda runner: runner.evaluate(
-                indices=shards[(runner.worker_index - 1) % n], samples=samples, seed=seed
+                indices=shards[(runner.worker_index - 1) % n], samples=samples, seed=seed, weights=weights
             ),
             local_env_runner=False,
         )
     counts = collections.Counter()
     for r in results:
         counts.update(r)
+    accuracy = counts["greedy_correct"] / max(1, counts["n"])
+    algo.record_heldout_accuracy(accuracy)
     logger_ = MetricsLogger(root=False)
-    logger_.log_value(EVAL_ACCURACY, counts["greedy_correct"] / max(1, counts["n"]), window=1)
+    logger_.log_value(EVAL_ACCURACY, accuracy, window=1)
     logger_.log_value(EVAL_RESPONSE_LEN, counts["tokens"] / max(1, counts["n"]), window=1)
     if counts["sampled_n"]:
         logger_.log_value(EVAL_MEAN_AT_K, counts["sampled_correct"] / counts["sampled_n"], window=1)

@@ -1,26 +1,35 @@
-"""M2PO as an RLlib algorithm: `M2POConfig` and `M2PO`.
+"""M2PO as an RLlib algorithm (`M2POConfig` lives in config.py).
 
-`M2PO.training_step` (see ../shared/M2PO.md, "stale-k"):
-  1. sample `prompts_per_step x group_size` completions from the EnvRunnerGroup with the
-     current weights; every row carries the policy version (optimizer updates) that made it,
-  2. push the round into a FIFO queue; train on the round popped from it, which was made
-     `staleness` optimizer updates earlier (staleness 0 = on-policy; while the queue fills,
-     nothing is trained),
-  3. update the LearnerGroup (`updates_per_step` minibatches), then sync weights to runners.
+`M2PO.training_step` runs one of two loops, each beat in its own `log_time` timer:
+- synchronous (`async_rollouts=False`, the paper's stale-k protocol; ../shared/M2PO.md):
+  sample a round of `prompts_per_step x group_size` completions with the current weights
+  (every row tagged with the policy version that made it) -> push it into a FIFO queue and
+  pop the round made `staleness` updates earlier (while the queue fills, nothing is
+  trained) -> update the learners (`updates_per_step` minibatches) -> publish the weights.
+- asynchronous (`async_rollouts=True`, async_rollouts.py): keep rounds in flight on every
+  remote EnvRunner, admitted only if they will be trained within `max_staleness` updates
+  of the weights that made them -> collect what is ready -> dispatch the next step to the
+  learners without waiting (`async_update` with remote learners) -> publish the weights
+  each update returns. One `training_step` call dispatches one step.
+Weights are published once per update (`PublishedWeights`, one `ray.put` for all remote
+runners) and ride with the next request to each runner, which loads them between rounds.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 
 import numpy as np
+import ray
 import torch
 
 from ray.rllib.algorithms.algorithm import Algorithm
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics import (
     ENV_RUNNER_RESULTS,
     ENV_RUNNER_SAMPLING_TIMER,
@@ -32,194 +41,415 @@ from ray.rllib.utils.metrics import (
 )
 
 import envs  # noqa: F401  (registers the m2po/* env ids)
+from m2po_rllib.async_rollouts import AsyncRollouts
 from m2po_rllib.config import M2POConfig
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.rollout.batch import concat_rollouts, learner_order, num_rows, take_rows, to_train_batch
+from m2po_rllib.rollout.env_runner import sample_and_metrics
+from m2po_rllib.rollout.weights import PublishedWeights
+from m2po_rllib.threads import use_cpus
+from m2po_rllib.torch.learner import POLICY_VERSION, UPDATE_SECONDS_KEY, WEIGHTS_KEY
 
 logger = logging.getLogger(__name__)
 
-# Algorithm-level metric keys.
+# Algorithm-level metric keys (README, "Metrics", says what each one means).
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 QUEUE_LEN = "staleness/queue_len"
-POLICY_VERSION = "policy_version"
 FILLING = "staleness/filling"
+DROPPED_ROWS = "staleness/dropped_rows"
+ROUNDS_IN_FLIGHT = "async/rounds_in_flight"
+LEARNER_IDLE_FRAC = "async/learner_idle_frac"
+RUNNER_IDLE_FRAC = "async/runner_idle_frac"
+UPDATES_PER_S = "learner/updates_per_s"
 LOGP_MISMATCH_MAX = "rollout/logp_mismatch_max"
 LOGP_MISMATCH_MEAN = "rollout/logp_mismatch_mean"
 TOKENS_TRAINED_PER_S = "learner/tokens_per_s"
+HELDOUT_ACCURACY = "heldout_accuracy"
+SAMPLE_TAG = "m2po_sample"
+POLL_S = 0.002
+
+
+class _IterationPace:
+    """What one iteration did, for the pace metrics: updates completed, and the seconds the
+    learners and the runners were busy."""
+
+    def __init__(self):
+        self.since = time.perf_counter()
+        self.updates = 0.0
+        self.learner_busy_s = 0.0
+        self.runner_busy_s = 0.0
+
+    def metrics(self, num_runners: int) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        return {
+            UPDATES_PER_S: self.updates / elapsed,
+            LEARNER_IDLE_FRAC: max(0.0, 1 - self.learner_busy_s / elapsed),
+            RUNNER_IDLE_FRAC: max(0.0, 1 - self.runner_busy_s / (elapsed * num_runners)),
+        }
+
+
+def round_seed(base_seed: int | None, round_index: int) -> int:
+    """The seed of sampling round `round_index`: picks its prompts and seeds its sampler."""
+    return (base_seed or 0) * 1_000_003 + round_index
 
 
 class M2PO(Algorithm):
     @classmethod
+    @override(Algorithm)
     def get_default_config(cls) -> M2POConfig:
         return M2POConfig()
 
     @classmethod
+    @override(Algorithm)
     def _should_create_evaluation_env_runners(cls, eval_config) -> bool:
         # Evaluation runs on the training runners unless dedicated ones are asked for.
         return eval_config.evaluation_num_env_runners > 0
 
+    @override(Algorithm)
     def setup(self, config) -> None:
-        self._queue: collections.deque = collections.deque()
-        self._sample_round = 0
-        self._policy_version = 0
+        use_cpus(config.num_cpus_for_main_process)  # this process computes with its own CPUs
+        self._queue: collections.deque = collections.deque()  # sync: the stale-k FIFO
+        self._sample_round = 0  # sync: rounds sampled so far
+        self._heldout_accuracy: float | None = None
         super().setup(config)
+        self._weights = self._learner_weights()
+        # The learner owns the policy version; the driver keeps what it last reported and
+        # what it will be once every step dispatched so far is trained.
+        self._learner_version = self._weights.version
+        self._dispatched_version = self._weights.version
+        self._pending_results = 0  # learner results still to come: one per learner per update
+        self._async = (
+            AsyncRollouts(
+                rounds_per_step=config.num_env_runners,
+                updates_per_step=config.updates_per_step,
+                max_staleness=config.max_staleness,
+                rows_per_round=config.prompts_per_step // config.num_env_runners * config.group_size,
+            )
+            if config.async_rollouts
+            else None
+        )
+        self._iter = _IterationPace()
 
-    # -- the loop -------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates of the learners' weights, as they last reported it."""
+        return self._learner_version
+
+    @property
+    def stale_queue(self) -> list[dict]:
+        return list(self._queue)
+
+    @property
+    def _updates_in_flight(self) -> int:
+        return -(-self._pending_results // max(1, self.config.num_learners))
+
+    # -- one iteration ------------------------------------------------------------------
+    @override(Algorithm)
+    def step(self):
+        if self.config.evaluation_interval and self._heldout_accuracy is None:
+            self.evaluate()  # the starting point: from iteration 1 on, every result has one
+        self._iter = _IterationPace()
+        result = super().step()
+        if self.config.evaluation_interval:
+            result[HELDOUT_ACCURACY] = self._heldout_accuracy
+        result[POLICY_VERSION] = self._learner_version
+        result.update(self._iter.metrics(max(1, self.env_runner_group.num_remote_env_runners())))
+        return result
+
+    def record_heldout_accuracy(self, accuracy: float) -> None:
+        """Called by the evaluation function; carried into every later result."""
+        self._heldout_accuracy = float(accuracy)
+
+    @override(Algorithm)
     def training_step(self) -> None:
+        if self._async is not None:
+            self._async_training_step()
+        else:
+            self._sync_training_step()
+
+    # -- synchronous: sample -> queue -> update -> publish --------------------------------
+    def _sync_training_step(self) -> None:
         cfg: M2POConfig = self.config
         with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-            rollout, runner_metrics = self._sample_round_from_runners()
+            rollout, runner_metrics = self._sample_from_runners()
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
-        if cfg.recompute_behavior_logp or (
-            cfg.logp_mismatch_interval and self._sample_round % cfg.logp_mismatch_interval == 0
-        ):
-            self._check_behavior_logp(rollout)
+        if cfg.recompute_behavior_logp:
+            self._recompute_behavior_logp(rollout)
+        elif cfg.logp_mismatch_interval and self._sample_round % cfg.logp_mismatch_interval == 0:
+            self._log_logp_mismatch(rollout)
         self._sample_round += 1
 
         self._queue.append(rollout)
+        filling = len(self._queue) <= cfg.queue_lag_steps
+        batch = None if filling else self._queue.popleft()
+        self.metrics.log_value(FILLING, int(filling), window=1)
         self.metrics.log_value(QUEUE_LEN, len(self._queue), window=1)
-        self.metrics.log_value(POLICY_VERSION, self._policy_version, window=1)
-        if len(self._queue) <= cfg.queue_lag_steps:
-            self.metrics.log_value(FILLING, 1, window=1)
+        if batch is None:
             return
-        self.metrics.log_value(FILLING, 0, window=1)
-        batch = self._queue.popleft()
-
-        age = self._policy_version - batch["policy_version"]
-        self.metrics.log_value(STALENESS_MEAN, float(age.mean()), window=1)
-        self.metrics.log_value(STALENESS_MAX, float(age.max()), window=1)
-
-        rewards = torch.as_tensor(batch["rewards"])
-        advantages = compute_advantages(rewards, cfg.group_size, estimator=cfg.advantage_estimator)
-        train = to_train_batch(batch, advantages.numpy())
-        order = learner_order(num_rows(train), cfg.minibatch_prompts * cfg.group_size, max(1, cfg.num_learners))
-        train = take_rows(train, order)
-        n_tokens = float(train["response_mask"].sum())
-
         with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
-            t0 = time.perf_counter()
-            results = self.learner_group.update(
-                batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(train)}, env_steps=num_rows(train)),
-                minibatch_size=cfg.minibatch_size_per_learner,
-                num_epochs=cfg.num_epochs,
-                shuffle_batch_per_epoch=False,
-                timesteps={
-                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
-                    )
-                },
-            )
-            seconds = time.perf_counter() - t0
-            self.metrics.log_value(TOKENS_TRAINED_PER_S, n_tokens * cfg.num_epochs / seconds, window=1)
-        self.metrics.aggregate(results, key=LEARNER_RESULTS)
-        self._policy_version += cfg.updates_per_step
-
+            results = self._update(batch, async_update=False)
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self.env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group,
-                inference_only=True,
-                timeout_seconds=600.0,
-            )
+            self._take_update_results(results)
 
-    def restore_env_runners(self, env_runner_group) -> list[int]:
-        """RLlib's restore, plus the learners' current weights for each restarted runner
-        (the default copies the local runner's state, which holds no LLM weights)."""
-        restored = super().restore_env_runners(env_runner_group)
-        if restored:
-            env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group,
-                to_worker_indices=restored,
-                inference_only=True,
-                timeout_seconds=600.0,
-            )
-        return restored
-
-    @staticmethod
-    def _runner_plan(group) -> tuple[bool, int]:
-        """(sample on the local runner?, runners sharing the round's prompts)."""
-        remote = group.num_remote_env_runners()
-        return remote == 0, max(1, remote)
-
-    def _sample_round_from_runners(self):
+    def _sample_from_runners(self):
+        """One round from every runner (the local one when there are no remote runners)."""
         cfg = self.config
-        local, n = self._runner_plan(self.env_runner_group)
+        group = self.env_runner_group
+        local = group.num_remote_env_runners() == 0
+        n = max(1, group.num_remote_env_runners())
         per_runner = cfg.prompts_per_step // n
-        seed = (cfg.seed or 0) * 1_000_003 + self._sample_round
-        deadline = time.monotonic() + cfg.env_runner_restore_timeout_s + 600
+        rows = per_runner * cfg.group_size
+        seed, weights, first_round = round_seed(cfg.seed, self._sample_round), self._weights, self._sample_round * n
+        deadline = time.monotonic() + cfg.env_runner_restore_timeout_s + cfg.sample_timeout_s
         while True:
-            out = self.env_runner_group.foreach_env_runner(
-                lambda runner: (runner.sample(num_prompts=per_runner, seed=seed), runner.get_metrics()),
+            out = group.foreach_env_runner(
+                lambda runner: sample_and_metrics(
+                    runner, num_prompts=per_runner, seed=seed, weights=weights,
+                    first_sample_id=(first_round + max(0, runner.worker_index - 1)) * rows,
+                ),
                 local_env_runner=local,
+                timeout_seconds=cfg.sample_timeout_s,
             )
             if out:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError("no EnvRunner returned samples, and none could be restored; see the runners' logs")
-            # Failed runners (e.g. a dead vLLM engine) are restarted by Ray; bring them back
-            # with the current weights and sample this round again.
+                raise RuntimeError(
+                    f"no EnvRunner returned samples within {cfg.sample_timeout_s} s, and none could "
+                    "be restored; see the runners' logs (raise `sample_timeout_s` for slow rounds)"
+                )
+            # A failed runner (e.g. a dead vLLM engine) is restarted by Ray; bring it back and
+            # sample this round again (requests carry the current weights).
             logger.warning("no EnvRunner returned samples; restoring failed runners and retrying")
             time.sleep(1.0)
-            self.restore_env_runners(self.env_runner_group)
-        if len(out) * per_runner != cfg.prompts_per_step:
-            logger.warning(
-                "%d of %d EnvRunners returned samples this round; training on %d prompts",
-                len(out), n, len(out) * per_runner,
-            )
-        batches = [b for b, _ in out]
-        return concat_rollouts(batches, pad_id=self._pad_id()), [m for _, m in out]
+            self.restore_env_runners(group)
+        if len(out) != n:
+            logger.warning("%d of %d EnvRunners returned samples this round; training on %d prompts",
+                           len(out), n, len(out) * per_runner)
+        self._iter.runner_busy_s += sum(busy for _, _, busy in out)
+        return concat_rollouts([b for b, _, _ in out]), [m for _, m, _ in out]
 
-    def _pad_id(self) -> int:
-        if not hasattr(self, "_pad_token_id"):
-            from transformers import AutoTokenizer
+    # -- asynchronous: request -> collect -> update -> publish -----------------------------
+    def _async_training_step(self) -> None:
+        cfg: M2POConfig = self.config
+        pipe = self._async
+        remote_learners = self.learner_group.is_remote
+        max_updates_in_flight = 2 if remote_learners else 1
+        deadline = time.monotonic() + cfg.sample_timeout_s
+        while True:
+            with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
+                progressed = self._collect_rounds()
+                self._request_rounds()
+            if remote_learners and self._updates_in_flight:
+                progressed |= self._take_update_results(self._fetch_ready_updates())
+            if pipe.step_ready() and self._updates_in_flight < max_updates_in_flight:
+                batches = pipe.pop_step(self._dispatched_version)
+                if batches is not None:
+                    break
+                progressed = True  # rounds over the bound were dropped and re-requested
+            if progressed:
+                deadline = time.monotonic() + cfg.sample_timeout_s
+            elif time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"async rollouts made no progress for {cfg.sample_timeout_s} s (rounds in flight: "
+                    f"{pipe.num_in_flight()}, healthy runners: {self.env_runner_group.healthy_env_runner_ids()}, "
+                    f"updates in flight: {self._updates_in_flight}); see the runners' logs, or raise "
+                    "`sample_timeout_s` if one round takes longer"
+                )
+            else:
+                time.sleep(POLL_S)
 
-            from m2po_rllib.models.builtin import resolve_model_path
+        self.metrics.log_value(DROPPED_ROWS, pipe.dropped_rows, window=1)
+        self.metrics.log_value(ROUNDS_IN_FLIGHT, pipe.num_in_flight(), window=1)
+        self.metrics.log_value(QUEUE_LEN, len(pipe.arrived), window=1)
+        batch = concat_rollouts(batches)
+        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
+            results = self._update(batch, async_update=remote_learners)
+        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
+            self._take_update_results(results)
+            self._request_rounds()  # the new weights go out with the next requests at once
 
-            tok = AutoTokenizer.from_pretrained(resolve_model_path(self.config.model_config["model"]))
-            self._pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        return self._pad_token_id
+    def _collect_rounds(self) -> bool:
+        """Files the rounds that are ready; requeues those of runners that died."""
+        group, pipe = self.env_runner_group, self._async
+        ready = group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=0.0)
+        for runner_id, (batch, metrics, busy_s) in ready:
+            pipe.received(runner_id, batch)
+            self.metrics.aggregate([metrics], key=ENV_RUNNER_RESULTS)
+            self._iter.runner_busy_s += busy_s
+        healthy = set(group.healthy_env_runner_ids())
+        lost = [r for r in list(pipe.in_flight) if r not in healthy and pipe.num_in_flight(r)]
+        for runner_id in lost:
+            rounds = pipe.lost(runner_id)
+            logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
+        if len(healthy) < group.num_remote_env_runners():
+            self.restore_env_runners(group)
+        return bool(ready or lost)
 
-    def _check_behavior_logp(self, rollout: dict) -> None:
-        """Learner log-probs of the rollout with the generating weights, vs the engine's."""
-        train = to_train_batch(rollout, np.zeros(num_rows(rollout), np.float32))
+    def _request_rounds(self) -> None:
+        """Sends every admissible round to a runner with room for one more request."""
+        cfg, group, pipe = self.config, self.env_runner_group, self._async
+        per_runner = cfg.prompts_per_step // cfg.num_env_runners
+        for runner_id in group.healthy_env_runner_ids():
+            while pipe.num_in_flight(runner_id) < cfg.max_requests_in_flight_per_env_runner:
+                n = pipe.next_request(self._weights.version, self._dispatched_version)
+                if n is None:
+                    return
+                sent = group.foreach_env_runner_async(
+                    sample_and_metrics,
+                    tag=SAMPLE_TAG,
+                    kwargs=dict(
+                        num_prompts=per_runner, seed=round_seed(cfg.seed, n), stream=0,
+                        weights=self._weights, first_sample_id=n * pipe.rows_per_round,
+                    ),
+                    remote_worker_ids=[runner_id],
+                )
+                if not sent:
+                    break  # RLlib's in-flight limit for this runner
+                pipe.sent(runner_id, n)
 
-        def logp_fn(learner, batch=train):
-            return learner.compute_response_logp(batch)
+    def _fetch_ready_updates(self) -> list[dict]:
+        """Results of asynchronous updates that are done, without sending another one
+        (`LearnerGroup.update(async_update=True)` polls the same way before it sends; Ray
+        2.60 has no public call for it)."""
+        group = self.learner_group
+        return group._get_results(group._worker_manager.fetch_ready_async_reqs(timeout_seconds=0.0))
 
-        result = self.learner_group.foreach_learner(logp_fn)
-        learner_logp = next(iter(result)).get()
+    # -- learners -------------------------------------------------------------------------
+    def _update(self, rollout: dict, *, async_update: bool) -> list[dict]:
+        """Sends one step (a rollout batch) to the learners; returns the results ready now."""
+        cfg = self.config
+        age = self._dispatched_version - rollout["policy_version"]  # at the step's first minibatch
+        self.metrics.log_value(STALENESS_MEAN, float(age.mean()), window=1)
+        self.metrics.log_value(STALENESS_MAX, float(age.max()), window=1)
+        advantages = compute_advantages(
+            torch.as_tensor(np.array(rollout["rewards"])), cfg.group_size, estimator=cfg.advantage_estimator
+        )
+        train = to_train_batch(rollout, advantages.numpy())
+        minibatch = cfg.minibatch_prompts * cfg.group_size
+        train = take_rows(train, learner_order(num_rows(train), minibatch, max(1, cfg.num_learners)))
+        self._pending_results += max(1, cfg.num_learners)
+        self._dispatched_version += cfg.updates_per_step
+        steps_since_broadcast = (self._dispatched_version - self._weights.version) // cfg.updates_per_step
+        t0 = time.perf_counter()
+        results = self.learner_group.update(
+            batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(train)}, env_steps=num_rows(train)),
+            minibatch_size=cfg.minibatch_size_per_learner,
+            num_epochs=cfg.num_epochs,
+            shuffle_batch_per_epoch=False,
+            async_update=async_update,
+            return_state=steps_since_broadcast >= cfg.broadcast_interval,
+            timesteps={
+                NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                    (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
+                )
+            },
+        )
+        if not async_update:
+            tokens = float(train["response_mask"].sum()) * cfg.num_epochs
+            self.metrics.log_value(TOKENS_TRAINED_PER_S, tokens / (time.perf_counter() - t0), window=1)
+        return results
+
+    def _take_update_results(self, results: list[dict]) -> bool:
+        """Learner results: their metrics, the weights the first learner returned (the next
+        requests carry them), and how long the learners were busy."""
+        if not results:
+            return False
+        learners = max(1, self.config.num_learners)
+        for result in results:
+            weights = result.pop(WEIGHTS_KEY, None)
+            self._iter.learner_busy_s += result.pop(UPDATE_SECONDS_KEY, 0.0) / learners
+            if weights is not None and weights.version > self._weights.version:
+                self._weights = weights
+                self._learner_version = max(self._learner_version, weights.version)
+        self._pending_results -= len(results)
+        self._iter.updates += len(results) / learners * self.config.updates_per_step
+        self.metrics.aggregate(results, key=LEARNER_RESULTS)
+        reported = self.metrics.peek((LEARNER_RESULTS, DEFAULT_MODULE_ID, POLICY_VERSION), default=None)
+        if reported is not None and not math.isnan(reported):
+            self._learner_version = max(self._learner_version, int(reported))
+        return True
+
+    def _learner_weights(self) -> PublishedWeights:
+        """The first learner's current weights, published (RLlib's choice of learner in
+        `LearnerGroup.get_state`)."""
+        group = self.learner_group
+        ids = None if group.is_local else group._worker_manager.healthy_actor_ids()[:1]
+        results = group.foreach_learner(lambda learner: learner.publish_weights(), remote_actor_ids=ids)
+        return group._get_results(results)[0]
+
+    # -- log-probs: the engine's against the learner's --------------------------------------
+    def _logp_rows(self) -> int:
+        return self.config.minibatch_prompts * self.config.group_size
+
+    def _log_logp_mismatch(self, rollout: dict) -> None:
+        """On one learner, whose weights generated the round (sync mode), for the first
+        minibatch's worth of rows."""
+        rows = slice(0, min(self._logp_rows(), num_rows(rollout)))
+        train = to_train_batch(take_rows(rollout, np.arange(num_rows(rollout))[rows]), np.zeros(rows.stop, np.float32))
+        group = self.learner_group
+        ids = None if group.is_local else group._worker_manager.healthy_actor_ids()[:1]
+        stats = group._get_results(group.foreach_learner(lambda learner: learner.logp_mismatch(train), remote_actor_ids=ids))[0]
+        if stats:
+            self.metrics.log_value(LOGP_MISMATCH_MAX, stats["max"], window=1)
+            self.metrics.log_value(LOGP_MISMATCH_MEAN, stats["mean"], window=1)
+
+    def _recompute_behavior_logp(self, rollout: dict) -> None:
+        """The official code's choice: behaviour log-probs from the learner (sync mode, whose
+        weights generated the round), computed by the learners together."""
+        train_ref = ray.put(to_train_batch(rollout, np.zeros(num_rows(rollout), np.float32)))
+        results = self.learner_group.foreach_learner(
+            lambda learner, ref=train_ref: learner.response_logp_share(ray.get(ref))
+        )
+        learner_logp = np.concatenate([logp for _, logp in sorted(self.learner_group._get_results(results), key=lambda r: r[0])])
         mask = rollout["response_mask"] > 0
         diff = np.abs(learner_logp - rollout["behavior_logp"])[mask]
         if diff.size:
             self.metrics.log_value(LOGP_MISMATCH_MAX, float(diff.max()), window=1)
             self.metrics.log_value(LOGP_MISMATCH_MEAN, float(diff.mean()), window=1)
-        if self.config.recompute_behavior_logp:
-            rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
+        rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
 
-    # -- checkpoints: the stale queue is training state -----------------------------------
+    # -- checkpoints: the stale queue and the rounds in flight are training state ---------
+    def _drain(self) -> None:
+        """Waits for every round and update in flight, so the state loses nothing."""
+        if self._async is None:
+            return
+        deadline = time.monotonic() + self.config.sample_timeout_s
+        while (self._async.num_in_flight() or self._updates_in_flight) and time.monotonic() < deadline:
+            self._collect_rounds()
+            if self._updates_in_flight:
+                self._take_update_results(self._fetch_ready_updates())
+            time.sleep(POLL_S)
+        if self._async.num_in_flight() or self._updates_in_flight:
+            raise RuntimeError(
+                f"checkpoint: {self._async.num_in_flight()} rounds and {self._updates_in_flight} updates "
+                f"still in flight after {self.config.sample_timeout_s} s"
+            )
+
+    @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
+        self._drain()
         state = super().get_state(components, not_components=not_components, **kwargs)
         state["m2po"] = {
             "queue": list(self._queue),
             "sample_round": self._sample_round,
-            "policy_version": self._policy_version,
+            "heldout_accuracy": self._heldout_accuracy,
+            "async": self._async.get_state() if self._async is not None else None,
         }
         return state
 
+    @override(Algorithm)
     def set_state(self, state) -> None:
         super().set_state(state)
         if "m2po" in state:
-            self._queue = collections.deque(state["m2po"]["queue"])
-            self._sample_round = int(state["m2po"]["sample_round"])
-            self._policy_version = int(state["m2po"]["policy_version"])
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @property
-    def stale_queue(self) -> list[dict]:
-        return list(self._queue)
+            m = state["m2po"]
+            self._queue = collections.deque(m["queue"])
+            self._sample_round = int(m["sample_round"])
+            self._heldout_accuracy = m.get("heldout_accuracy")
+            if self._async is not None and m.get("async") is not None:
+                self._async.set_state(m["async"])
+        self._weights = self._learner_weights()
+        self._learner_version = self._dispatched_version = self._weights.version
 
 
 def _register() -> None:

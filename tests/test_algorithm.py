@@ -24,6 +24,7 @@ def tiny_config(model_dir: str, **training) -> M2POConfig:
         minibatch_prompts=2,
         staleness=0,
         lr=1e-3,
+        logp_mismatch_interval=1,
     )
     params.update(training)
     return (
@@ -94,13 +95,14 @@ def test_shipped_configs_load_and_validate(path):
 
 # -- batches -------------------------------------------------------------------------------
 def test_concat_rollouts_repads_prompts_left_and_responses_right():
-    a = pack_rollouts([[5, 6]], [[7]], [[-0.5]], [1.0], policy_version=3, pad_id=0)
-    b = pack_rollouts([[9]], [[1, 2, 3]], [[-1.0, -2.0, -3.0]], [0.0], policy_version=4, pad_id=0)
-    c = concat_rollouts([a, b], pad_id=0)
+    a = pack_rollouts([[5, 6]], [[7]], [[-0.5]], [1.0], policy_version=3, sample_ids=[10])
+    b = pack_rollouts([[9]], [[1, 2, 3]], [[-1.0, -2.0, -3.0]], [0.0], policy_version=4)
+    c = concat_rollouts([a, b])
     assert c["prompt_ids"].tolist() == [[5, 6], [0, 9]]
     assert c["response_ids"].tolist() == [[7, 0, 0], [1, 2, 3]]
     assert c["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert c["policy_version"].tolist() == [3, 4]
+    assert c["sample_id"].tolist() == [10, 0]
     t = to_train_batch(c, np.array([0.5, -0.5]))
     assert t["input_ids"].tolist() == [[5, 6, 7, 0, 0], [0, 9, 1, 2, 3]]
     assert t["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]

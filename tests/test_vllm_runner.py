@@ -29,7 +29,8 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
         .rl_module(model_config={"model": tiny_model_dir})
         # The random model earns no reward; weight decay still moves the weights every
         # update, so a runner serving stale weights would show a log-prob mismatch.
-        .training(group_size=4, prompts_per_step=4, minibatch_prompts=2, lr=1e-2, weight_decay=0.5)
+        .training(group_size=4, prompts_per_step=4, minibatch_prompts=2, lr=1e-2, weight_decay=0.5,
+                  logp_mismatch_interval=1)
         .fault_tolerance(restart_failed_env_runners=True)
         .debugging(seed=0)
     )

@@ -66,8 +66,9 @@ def _ppo_clip(x: PolicyLossInputs, ratio, low, high, family: str):
     per_token = torch.maximum(unclipped, clipped)
     with torch.no_grad():
         was_clipped = x.usable & (clipped > unclipped)  # gradient zeroed there
-        frac = torch.count_nonzero(was_clipped) / torch.count_nonzero(x.valid).clamp_min(1)
-        metrics = {f"{family}/clipped_frac": frac}
+        n_clipped = torch.count_nonzero(was_clipped)
+        frac = n_clipped / torch.count_nonzero(x.valid).clamp_min(1)
+        metrics = {f"{family}/clipped_frac": frac, f"{family}/clipped_tokens": n_clipped.float()}
         if x.entropy is not None:
             metrics[f"{family}/entropy_clipped"] = _masked_mean(x.entropy, was_clipped)
     return torch.where(x.usable, per_token, 0.0), metrics

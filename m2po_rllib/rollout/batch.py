@@ -7,6 +7,11 @@ consecutive rows sharing one prompt:
     behavior_logp   (B, R) float32   log-prob of each token under the generating weights
     rewards         (B,)   float32
     policy_version  (B,)   int64     optimizer updates behind the generating weights
+    sample_id       (B,)   int64     unique per sampled completion over the run
+
+Padding holds 0 in every array. The masks say which entries are real, and the learner
+reads nothing under a 0 mask (positions come from the attention mask), so no pad token id
+is needed downstream of the EnvRunner (a tokenizer without one works too).
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import numpy as np
 
 ROW_KEYS_2D_LEFT = ("prompt_ids", "prompt_mask")
 ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp")
-ROW_KEYS_1D = ("rewards", "policy_version")
+ROW_KEYS_1D = ("rewards", "policy_version", "sample_id")
 
 
-def _pad(rows: Sequence[Sequence], width: int, value, dtype, left: bool) -> np.ndarray:
-    out = np.full((len(rows), width), value, dtype=dtype)
+def _pad(rows: Sequence[Sequence], width: int, dtype, left: bool) -> np.ndarray:
+    out = np.zeros((len(rows), width), dtype=dtype)
     for i, row in enumerate(rows):
         n = len(row)
         if n:
@@ -38,40 +43,46 @@ def pack_rollouts(
     behavior_logp: Sequence[Sequence[float]],
     rewards: Sequence[float],
     policy_version: int,
-    pad_id: int,
+    sample_ids: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Pads one rollout round into a batch (rows in the order given)."""
+    """Pads one rollout round into a batch (rows in the order given); `sample_ids` default
+    to 0..B-1."""
     n = len(prompt_ids)
     if not (len(response_ids) == len(behavior_logp) == len(rewards) == n):
         raise ValueError(
             f"pack_rollouts got {n} prompts, {len(response_ids)} responses, "
             f"{len(behavior_logp)} log-prob rows and {len(rewards)} rewards; they must match"
         )
+    if sample_ids is None:
+        sample_ids = range(n)
+    elif len(sample_ids) != n:
+        raise ValueError(f"pack_rollouts got {len(sample_ids)} sample ids for {n} rows")
     for i, (r, lp) in enumerate(zip(response_ids, behavior_logp)):
         if len(r) != len(lp):
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} log-probs")
     p = max((len(x) for x in prompt_ids), default=0)
     r = max(1, max((len(x) for x in response_ids), default=0))
     return {
-        "prompt_ids": _pad(prompt_ids, p, pad_id, np.int64, left=True),
-        "prompt_mask": _pad([[1.0] * len(x) for x in prompt_ids], p, 0.0, np.float32, left=True),
-        "response_ids": _pad(response_ids, r, pad_id, np.int64, left=False),
-        "response_mask": _pad([[1.0] * len(x) for x in response_ids], r, 0.0, np.float32, left=False),
-        "behavior_logp": _pad(behavior_logp, r, 0.0, np.float32, left=False),
+        "prompt_ids": _pad(prompt_ids, p, np.int64, left=True),
+        "prompt_mask": _pad([[1.0] * len(x) for x in prompt_ids], p, np.float32, left=True),
+        "response_ids": _pad(response_ids, r, np.int64, left=False),
+        "response_mask": _pad([[1.0] * len(x) for x in response_ids], r, np.float32, left=False),
+        "behavior_logp": _pad(behavior_logp, r, np.float32, left=False),
         "rewards": np.asarray(rewards, dtype=np.float32),
         "policy_version": np.full(n, policy_version, dtype=np.int64),
+        "sample_id": np.asarray(list(sample_ids), dtype=np.int64),
     }
 
 
-def _repad(a: np.ndarray, width: int, value, left: bool) -> np.ndarray:
+def _repad(a: np.ndarray, width: int, left: bool) -> np.ndarray:
     extra = width - a.shape[1]
     if extra == 0:
         return a
     pad = ((0, 0), (extra, 0)) if left else ((0, 0), (0, extra))
-    return np.pad(a, pad, constant_values=value)
+    return np.pad(a, pad)
 
 
-def concat_rollouts(batches: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+def concat_rollouts(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenates rollout batches row-wise, re-padding prompts (left) and responses (right)."""
     if not batches:
         raise ValueError("concat_rollouts needs at least one batch")
@@ -82,11 +93,9 @@ def concat_rollouts(batches: Sequence[dict[str, np.ndarray]], pad_id: int) -> di
     out = {}
     for key in batches[0]:
         if key in ROW_KEYS_2D_LEFT:
-            value = pad_id if key == "prompt_ids" else 0
-            out[key] = np.concatenate([_repad(b[key], p, value, left=True) for b in batches])
+            out[key] = np.concatenate([_repad(b[key], p, left=True) for b in batches])
         elif key in ROW_KEYS_2D_RIGHT:
-            value = pad_id if key == "response_ids" else 0
-            out[key] = np.concatenate([_repad(b[key], r, value, left=False) for b in batches])
+            out[key] = np.concatenate([_repad(b[key], r, left=False) for b in batches])
         else:
             out[key] = np.concatenate([b[key] for b in batches])
     return out
@@ -109,6 +118,7 @@ def to_train_batch(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict
         "behavior_logp": batch["behavior_logp"],
         "advantages": advantages.astype(np.float32),
         "policy_version": batch["policy_version"],
+        "sample_id": batch["sample_id"],
     }
 
 

@@ -1,14 +1,17 @@
 """`LLMEnvRunner`: an RLlib EnvRunner whose policy is a generation engine (vLLM or HF).
 
 One round of `sample()`:
-  1. reset `num_prompts x group_size` text envs, each group with one seed (so one prompt),
-  2. generate `group_size` completions per prompt with the engine, keeping the token ids
+  1. load the newest published weights if the request carries newer ones than the engine
+     serves (`PublishedWeights`: applied between rounds, never in the middle of one),
+  2. reset one text env per prompt (a GRPO group shares its prompt),
+  3. generate `group_size` completions per prompt with the engine, keeping the token ids
      and the behaviour log-probs,
-  3. step each env with its completion text to get the verifier's reward,
-  4. pack everything, tagged with the policy version of the engine's weights.
+  4. score each group with one batched verifier call (`env.score_group`),
+  5. pack everything, tagged with the policy version of the engine's weights and a sample
+     id per completion.
 
-Weights arrive through `set_state` (RLlib's `EnvRunnerGroup.sync_weights` calls it) and are
-loaded into the engine in place; a sync older than the engine's weights is ignored.
+Weights also arrive through `set_state` (RLlib's own syncs call it); a sync older than
+the engine's weights is ignored either way. The engine owns the version it serves.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import ray
 
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
+from ray.rllib.utils.annotations import override
 from ray.rllib.utils.checkpoints import Checkpointable
 
 from envs.reward import shared_verifier
 from m2po_rllib.rollout.batch import pack_rollouts
+from m2po_rllib.rollout.weights import PublishedWeights
+from m2po_rllib.threads import use_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +74,15 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
         self.worker_index = kwargs.get("worker_index") or 0
+        if self.worker_index > 0:
+            # A runner actor computes with the CPUs Ray gave it, no more (on a small machine
+            # oversubscribed torch threads slow every process beside it 10x and more).
+            use_cpus(config.num_cpus_per_env_runner)
         self._engine = None
-        # Newest weights version received, and weights an engine may still need: those that
-        # arrived before the engine started, and (local runner only) the copy an in-place
-        # engine restart reloads. A remote runner drops them once loaded: a restart replaces
-        # the whole actor and RLlib resyncs it.
-        self._weights_version = -1
+        # Weights that arrived before the engine started (loaded at its start), and, on the
+        # local runner, the copy an in-place engine restart reloads. A remote runner drops
+        # them once loaded: a restart replaces the whole actor, and the next request carries
+        # the current weights.
         self._pending_weights: tuple[dict, int] | None = None
         self._tokenizer = None
         self._train_envs: list[gym.Env] = []
@@ -86,8 +95,14 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             env.close()
         self._train_envs = []
         self._eval_envs = {}
-        # One env tells the spaces; the rest are made on first use (prompts x group size).
+        # One env tells the spaces; the rest are made on first use (one per prompt).
         self.env = make_text_env(self.config.env, self.config.env_config)
+        max_turns = getattr(self.env.unwrapped, "max_turns", 1)
+        if max_turns != 1:
+            raise ValueError(
+                f"env_config max_turns={max_turns}: LLMEnvRunner samples single-turn episodes; "
+                "set env_config max_turns=1"
+            )
         self._train_envs = [self.env]
 
     def _envs(self, n: int) -> list[gym.Env]:
@@ -151,12 +166,38 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             weights, version = self._pending_weights
             self._engine.update_weights(weights, version)
 
+    @property
+    def weights_version(self) -> int:
+        """Version of the newest weights this runner has: served by its engine, or waiting
+        for the engine to start. -1 before any."""
+        if self._engine is not None:
+            return self._engine.version
+        return self._pending_weights[1] if self._pending_weights is not None else -1
+
+    def _load(self, weights: dict, version: int) -> None:
+        """Loads newer weights in place; older or duplicate versions are ignored."""
+        if version <= self.weights_version:
+            return
+        if self._engine is not None and self._engine.is_healthy():
+            t0 = time.perf_counter()
+            self._engine.update_weights(weights, version)
+            self.metrics.log_value(WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
+            self._pending_weights = (weights, version) if self.worker_index == 0 else None
+        else:
+            self._pending_weights = (weights, version)
+
+    def _use(self, published: PublishedWeights | None) -> None:
+        if published is not None and published.version > self.weights_version:
+            self._load(published.get()["weights"], published.version)
+
     # -- RLlib EnvRunner API ----------------------------------------------------------------
+    @override(EnvRunner)
     def assert_healthy(self):
         assert self.env is not None, "LLMEnvRunner has no env"
         if self._engine is not None:
             assert self._engine.is_healthy(), "rollout engine is dead"
 
+    @override(EnvRunner)
     def get_spaces(self):
         return {
             "__env__": (self.env.observation_space, self.env.action_space),
@@ -179,57 +220,65 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def _encode(self, prompts: list[str]) -> list[list[int]]:
         return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
-    def sample(self, *, num_prompts: int | None = None, seed: int = 0, **kwargs) -> dict[str, np.ndarray]:
-        """Samples `num_prompts` prompts x `group_size` completions with the current weights.
+    @override(EnvRunner)
+    def sample(
+        self,
+        *,
+        num_prompts: int | None = None,
+        seed: int = 0,
+        stream: int | None = None,
+        weights: PublishedWeights | None = None,
+        first_sample_id: int = 0,
+        **kwargs,
+    ) -> dict[str, np.ndarray]:
+        """Samples `num_prompts` prompts x `group_size` completions.
 
-        `seed` makes a round reproducible: it picks the prompts and seeds the sampler.
-        Returns a rollout batch (see `m2po_rllib.rollout.batch`).
+        `seed` (with `stream`, default this runner's index, so runners sharing a round seed
+        draw different prompts) makes a round reproducible: it picks the prompts and seeds
+        the sampler. `weights`: load these first if newer. Rows get the sample ids
+        `first_sample_id + 0..B-1`. Returns a rollout batch (`m2po_rllib.rollout.batch`).
         """
         cfg = self.config
         g = cfg.group_size
         num_prompts = num_prompts or cfg.prompts_per_step
-        envs = self._envs(num_prompts * g)
+        stream = self.worker_index if stream is None else stream
+        self._use(weights)
+        envs = self._envs(num_prompts)
         prompts = []
-        for p in range(num_prompts):
-            # Runners share the round seed; each draws its own prompts.
-            prompt_seed = int(np.random.SeedSequence([seed, self.worker_index, 0, p]).generate_state(1)[0])
-            for j in range(g):
-                obs, _ = envs[p * g + j].reset(seed=prompt_seed)
+        for p, env in enumerate(envs):
+            prompt_seed = int(np.random.SeedSequence([seed, stream, 0, p]).generate_state(1)[0])
+            obs, _ = env.reset(seed=prompt_seed)
             prompts.append(obs["prompt"] if isinstance(obs, dict) else obs)
         prompt_ids = self._encode(prompts)
 
         engine = self.engine
         # Requests draw from seeds base + i; spread the rounds' bases so that consecutive
         # rounds (seed, seed + 1) do not share per-request random streams.
-        base = int(np.random.SeedSequence([seed, self.worker_index, 1]).generate_state(1)[0] >> 1)
+        base = int(np.random.SeedSequence([seed, stream, 1]).generate_state(1)[0] >> 1)
         t0 = time.perf_counter()
         groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
         t_gen = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         rows_prompt, rows_resp, rows_logp, rewards, correct = [], [], [], [], []
-        for p, completions in enumerate(groups):
-            for j, c in enumerate(completions):
-                _, reward, terminated, truncated, info = envs[p * g + j].step(c.text)
-                if not (terminated or truncated):
-                    raise NotImplementedError(
-                        f"env {cfg.env!r} continued the episode after one turn; LLMEnvRunner "
-                        "samples single-turn episodes (set env_config max_turns=1)"
-                    )
-                rows_prompt.append(prompt_ids[p])
+        for ids, env, completions in zip(prompt_ids, envs, groups):
+            for c, verdict in zip(completions, env.unwrapped.score_group([c.text for c in completions])):
+                rows_prompt.append(ids)
                 rows_resp.append(list(c.token_ids))
                 rows_logp.append(list(c.logprobs))
-                rewards.append(float(reward))
-                correct.append(bool(info.get("correct", reward > 0)))
+                rewards.append(float(verdict.reward))
+                correct.append(bool(verdict.correct))
         t_score = time.perf_counter() - t0
 
+        n_rows = len(rewards)
         batch = pack_rollouts(
-            rows_prompt, rows_resp, rows_logp, rewards, max(engine.version, 0), self.tokenizer.pad_token_id
+            rows_prompt, rows_resp, rows_logp, rewards, max(engine.version, 0),
+            sample_ids=range(first_sample_id, first_sample_id + n_rows),
         )
         n_tokens = int(batch["response_mask"].sum())
         self.metrics.log_value(REWARD_MEAN, float(np.mean(rewards)), reduce="mean")
         self.metrics.log_value(ACCURACY, float(np.mean(correct)), reduce="mean")
-        self.metrics.log_value(RESPONSE_LEN, n_tokens / len(rewards), reduce="mean")
+        self.metrics.log_value(RESPONSE_LEN, n_tokens / n_rows, reduce="mean")
         self.metrics.log_value(TOKENS_PER_S, n_tokens / max(t_gen, 1e-9), reduce="mean")
         self.metrics.log_value(GENERATE_S, t_gen, reduce="mean")
         self.metrics.log_value(SCORE_S, t_score, reduce="mean")
@@ -237,48 +286,53 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         # The verifier's counters (reward/timeouts, reward/errors, fast/slow path, ...).
         for key, count in shared_verifier().metrics(reset=True).items():
             self.metrics.log_value(key, count, reduce="sum")
-        self.metrics.log_value("num_env_steps_sampled_lifetime", len(rewards), reduce="lifetime_sum")
-        self.metrics.log_value("num_episodes_lifetime", len(rewards), reduce="lifetime_sum")
+        self.metrics.log_value("num_env_steps_sampled_lifetime", n_rows, reduce="lifetime_sum")
+        self.metrics.log_value("num_episodes_lifetime", n_rows, reduce="lifetime_sum")
         return batch
 
     def evaluate(
-        self, *, indices: list[int], samples: int = 1, seed: int = 0, split: str = "heldout"
+        self,
+        *,
+        indices: list[int],
+        samples: int = 1,
+        seed: int = 0,
+        split: str = "heldout",
+        weights: PublishedWeights | None = None,
     ) -> dict[str, Any]:
         """Scores problems `indices` of `split`: greedy accuracy, and mean@k with `samples` > 1.
 
         Returns counts (not means) so results from several runners add up exactly.
         """
+        self._use(weights)
         env = self._split_env(split)
-        prompts, answers = [], []
+        prompts = []
         for i in indices:
-            obs, info = env.reset(options={"index": int(i)})
+            obs, _ = env.reset(options={"index": int(i)})
             prompts.append(obs["prompt"] if isinstance(obs, dict) else obs)
-            answers.append(info["answer"])
         prompt_ids = self._encode(prompts)
         engine = self.engine
         out = {"n": len(indices), "greedy_correct": 0, "sampled_correct": 0, "sampled_n": 0, "tokens": 0}
         greedy = engine.generate(prompt_ids, self._sampling(n=1, greedy=True, seed=seed))
-        for i, (group, answer) in enumerate(zip(greedy, answers)):
-            out["greedy_correct"] += int(self._score(env, indices[i], group[0].text) > 0)
-            out["tokens"] += len(group[0].token_ids)
-        if samples > 1:
-            sampled = engine.generate(prompt_ids, self._sampling(n=samples, greedy=False, seed=seed))
-            for i, group in enumerate(sampled):
-                for c in group:
-                    out["sampled_correct"] += int(self._score(env, indices[i], c.text) > 0)
-                    out["sampled_n"] += 1
+        sampled = (
+            engine.generate(prompt_ids, self._sampling(n=samples, greedy=False, seed=seed))
+            if samples > 1
+            else [[] for _ in indices]
+        )
+        for i, first, group in zip(indices, greedy, sampled):
+            env.reset(options={"index": int(i)})
+            verdicts = env.unwrapped.score_group([first[0].text] + [c.text for c in group])
+            out["greedy_correct"] += int(verdicts[0].reward > 0)
+            out["tokens"] += len(first[0].token_ids)
+            out["sampled_correct"] += sum(int(v.reward > 0) for v in verdicts[1:])
+            out["sampled_n"] += len(group)
         return out
 
-    @staticmethod
-    def _score(env: gym.Env, index: int, text: str) -> float:
-        env.reset(options={"index": int(index)})
-        _, reward, *_ = env.step(text)
-        return float(reward)
-
+    @override(EnvRunner)
     def get_metrics(self):
         return self.metrics.reduce()
 
     # -- state ----------------------------------------------------------------------------
+    @override(Checkpointable)
     def set_state(self, state: dict) -> None:
         # RLlib sends remote runners the module state as one ObjectRef nested in the dict
         # (`sync_env_runner_states`, `sync_weights`); Ray resolves only top-level arguments.
@@ -286,27 +340,18 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if isinstance(module_state, ray.ObjectRef):
             module_state = ray.get(module_state)
         module_state = (module_state or {}).get(DEFAULT_MODULE_ID)
-        if not module_state or "weights" not in module_state:
-            return
-        version = int(module_state.get("policy_version", 0))
-        if version <= self._weights_version:
-            return  # stale or duplicate sync
-        self._weights_version = version
-        weights = module_state["weights"]
-        if self._engine is not None and self._engine.is_healthy():
-            t0 = time.perf_counter()
-            self._engine.update_weights(weights, version)
-            self.metrics.log_value(WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
-            self._pending_weights = (weights, version) if self.worker_index == 0 else None
-        else:
-            self._pending_weights = (weights, version)
+        if module_state and "weights" in module_state:
+            self._load(module_state["weights"], int(module_state.get("policy_version", 0)))
 
+    @override(Checkpointable)
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict:
         return {"engine_version": self._engine.version if self._engine is not None else -1}
 
+    @override(Checkpointable)
     def get_ctor_args_and_kwargs(self):
         return ((), {"config": self.config})
 
+    @override(EnvRunner)
     def stop(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
@@ -321,9 +366,17 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def ping(self) -> str:
         # RLlib pings a runner it marked unhealthy. With a dead engine, end this actor's
-        # process: Ray restarts the actor (max_num_env_runner_restarts), RLlib's
-        # restore_env_runners syncs the current weights to it, and it samples with those.
+        # process: Ray restarts the actor (max_num_env_runner_restarts), and its next
+        # request carries the current weights.
         if self.worker_index > 0 and self._engine is not None and not self._engine.is_healthy():
             logger.error("EnvRunner %d: rollout engine is dead; exiting for a restart", self.worker_index)
             os._exit(1)
         return "pong"
+
+
+def sample_and_metrics(runner: LLMEnvRunner, **kwargs) -> tuple[dict[str, np.ndarray], dict, float]:
+    """One remote call: a round (see `LLMEnvRunner.sample`), the runner's metrics, and the
+    seconds it spent on the round (for the runners' idle fraction)."""
+    t0 = time.perf_counter()
+    batch = runner.sample(**kwargs)
+    return batch, runner.get_metrics(), time.perf_counter() - t0

@@ -1,7 +1,27 @@
-"""The M2PO TorchLearner: the loss library, called by name, on the LLM module's log-probs."""
+"""The M2PO TorchLearner: the loss library, called by name, on the LLM module's log-probs.
+
+One optimizer minibatch (RLlib's `_update`) is processed in micro-batches of
+`micro_batch_size` sequences (verl's `ppo_micro_batch_size_per_gpu`) with gradient
+accumulation and one optimizer step, and gives the gradient of the unsplit minibatch:
+- every micro-batch's loss is normalised by the whole minibatch's token / sequence counts
+  (over all learners with `mask_scope="global"`), so the parts add up to the whole;
+- the M2PO mask (and the official variant's tau_c) is a property of the whole minibatch:
+  with more than one micro-batch it is computed once, from a no-grad forward of the
+  minibatch with the current weights, before the first backward (the known cost of an
+  exact global mask under accumulation); `mask_scope="local"` masks each micro-batch on
+  its own instead (cheaper, split-dependent).
+The learner owns the policy version (optimizer updates applied to its weights; every row
+carries the version that generated it) and the log-prob computations outside training
+(`response_logp`, used by the mismatch check and `recompute_behavior_logp`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
+import math
+import time
 from typing import Any
 
 import numpy as np
@@ -12,67 +32,178 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib.losses import compute_policy_loss
+from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
+from m2po_rllib.rollout.weights import PublishedWeights
+from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
+
+logger = logging.getLogger(__name__)
+
+POLICY_VERSION = "policy_version"
+WEIGHTS_KEY = "_rl_module_state_after_update"  # RLlib's (IMPALA's) key for the state in a result
+UPDATE_SECONDS_KEY = "_update_seconds"
+GRAD_NORM = "policy/grad_norm"
+SKIPPED_UPDATES = "policy/skipped_updates"
+MICRO_BATCHES = "policy/micro_batches"
+
+# Token-level means and the token count each averages over (default: the valid tokens).
+_MEAN_WEIGHTS = {
+    "m2po/m2_after": "m2po/kept_tokens",
+    "m2po/entropy_masked": "m2po/masked_tokens",
+    "grpo/entropy_clipped": "grpo/clipped_tokens",
+    "gspo/entropy_clipped": "gspo/clipped_tokens",
+    "m2po/entropy_clipped": "m2po/clipped_tokens",
+}
+_VALID = "policy/valid_tokens"
+
+
+def _tensor(value, device) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.to(device)
+    return torch.from_numpy(np.array(value)).to(device)  # a copy: object-store arrays are read-only
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-# Token-level means and the token count each averages over (default: the valid tokens).
-_MEAN_WEIGHTS = {"m2po/m2_after": "m2po/kept_tokens", "m2po/entropy_masked": "m2po/masked_tokens"}
-_VALID = "policy/valid_tokens"
+class _MinibatchMetrics:
+    """Whole-minibatch metrics from per-micro-batch (and per-learner) ones: counts and the
+    loss add up, maxima take the max, means are re-weighted by the tokens they average
+    over. Over learners it is one SUM and one MAX all-reduce; RLlib then averages the (now
+    identical) values of the learners."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
+        self.means: dict[str, list[torch.Tensor]] = {}  # key -> [sum(mean * w), sum(w)]
+
+    @staticmethod
+    def _kind(key: str) -> str:
+        if key.endswith("_tokens") or key == "policy/loss":
+            return "sum"
+        return "max" if key.endswith("_max") else "mean"
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for key, value in metrics.items():
+            value = value.detach().reshape(()).double()
+            kind = self._kind(key)
+            if kind == "sum":
+                self.sums[key] = self.sums.get(key, 0) + value
+            elif kind == "max":
+                self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+        for key, value in metrics.items():
+            if self._kind(key) == "mean":
+                w = metrics.get(_MEAN_WEIGHTS.get(key, _VALID), torch.ones(())).detach().reshape(()).double()
+                part = torch.nan_to_num(value.detach().reshape(()).double()) * w
+                acc = self.means.setdefault(key, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
+                acc[0] = acc[0] + part.cpu()
+                acc[1] = acc[1] + w.cpu()
+
+    def result(self, device, over_learners: bool) -> dict[str, float]:
+        sum_keys, mean_keys, max_keys = sorted(self.sums), sorted(self.means), sorted(self.maxes)
+        parts = [self.sums[k].to(device) for k in sum_keys]
+        for k in mean_keys:
+            parts += [self.means[k][0].to(device), self.means[k][1].to(device)]
+        out = {}
+        if parts:
+            buf = torch.stack(parts)
+            if over_learners:
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)  # NCCL needs device tensors
+            out.update(zip(sum_keys, buf[: len(sum_keys)].tolist()))
+            for k, (total, w) in zip(mean_keys, buf[len(sum_keys) :].reshape(-1, 2).tolist()):
+                out[k] = total / w if w > 0 else math.nan
+        if max_keys:
+            buf = torch.stack([self.maxes[k].to(device) for k in max_keys])
+            if over_learners:
+                dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            out.update(zip(max_keys, buf.tolist()))
+        return out
 
 
-def _reduce_over_learners(metrics: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """Whole-minibatch metrics from per-shard ones: counts and the loss add up, maxima take
-    the max, means are re-weighted by the tokens they average over. RLlib then averages the
-    (now identical) values of the learners."""
-    keys = sorted(metrics)
-    summed = [k for k in keys if k.endswith("_tokens") or k == "policy/loss"]
-    maxed = [k for k in keys if k.endswith("_max")]
-    means = [k for k in keys if k not in summed and k not in maxed]
+@dataclasses.dataclass
+class _Minibatch:
+    """What the micro-batches of one optimizer minibatch share: the whole minibatch's token
+    and sequence counts, the loss parameters (with tau_c if precomputed), the precomputed
+    M2PO mask (B, R) and the rows of the current micro-batch, the metrics so far."""
 
-    def weight(k):
-        return metrics.get(_MEAN_WEIGHTS.get(k, _VALID), torch.ones(())).reshape(()).float().to(device)
-
-    # one SUM all-reduce: the counts, the loss, and (mean x weight, weight) for each mean
-    parts = [metrics[k].reshape(()).float().to(device) for k in summed]  # NCCL needs device tensors
-    for k in means:
-        w = weight(k)
-        parts += [torch.nan_to_num(metrics[k].reshape(()).float().to(device)) * w, w]
-    out = {}
-    if parts:
-        buf = torch.stack(parts)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        out.update(zip(summed, buf[: len(summed)]))
-        pairs = buf[len(summed) :].reshape(-1, 2)
-        for k, (total, w) in zip(means, pairs):
-            out[k] = total / w if w > 0 else torch.tensor(float("nan"), device=device)
-    if maxed:
-        buf = torch.stack([metrics[k].reshape(()).float().to(device) for k in maxed])
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-        out.update(zip(maxed, buf))
-    return out
+    params: dict
+    mask_scope: str
+    n_tokens: float | None = None
+    n_seqs: float | None = None
+    max_tokens: int | None = None
+    keep: torch.Tensor | None = None
+    rows: slice = dataclasses.field(default_factory=lambda: slice(None))
+    metrics: _MinibatchMetrics = dataclasses.field(default_factory=_MinibatchMetrics)
 
 
 class M2POTorchLearner(TorchLearner):
     @override(TorchLearner)
     def build(self) -> None:
+        if self.config.num_learners > 0:
+            use_cpus(self.config.num_cpus_per_learner)  # a learner actor: its own CPUs
         super().build()
         # Log-probs are those of the distribution the runners sample from.
         for module_id in self.module.keys():
             self.module[module_id].unwrapped().temperature = float(self.config.temperature)
+        self._grads_finite: dict[str, bool] = {}
 
-    def compute_response_logp(self, batch: dict[str, Any]) -> np.ndarray:
-        """Per-token log-probs `(B, R)` of the responses under the current weights (no grad)."""
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates applied to this learner's weights."""
+        return int(self.module[DEFAULT_MODULE_ID].unwrapped().policy_version)
+
+    # -- weights for the EnvRunners -------------------------------------------------------
+    def publish_weights(self) -> PublishedWeights:
+        """The current weights, published once for every runner: `ray.put` from this process
+        when runners are remote (the driver passes the reference on), else in process."""
+        state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
+        remote = self.config.num_learners > 0 or self.config.num_env_runners > 0
+        return PublishedWeights.publish(state, remote=remote)
+
+    @override(TorchLearner)
+    def update(self, *args, return_state: bool = False, **kwargs):
+        """RLlib's update; with `return_state` the result also carries the weights after it
+        (`_rl_module_state_after_update`, as IMPALA's learner does), and always the seconds
+        it took (`_update_seconds`, for the learner's idle fraction)."""
+        t0 = time.perf_counter()
+        result = super().update(*args, **kwargs)
+        if return_state:
+            result[WEIGHTS_KEY] = self.publish_weights()
+        result[UPDATE_SECONDS_KEY] = time.perf_counter() - t0
+        return result
+
+    # -- log-probs outside training ----------------------------------------------------
+    def response_logp(self, batch: dict[str, Any], rows: slice | None = None) -> np.ndarray:
+        """Per-token log-probs `(B, R)` of `batch`'s responses (rows `rows`, default all) under
+        the current weights, in micro-batches, without gradient."""
         module = self.module[DEFAULT_MODULE_ID].unwrapped()
-        tensors = {k: torch.tensor(v, device=self._device) for k, v in batch.items()}  # copies (ray arrays are read-only)
+        n = len(batch["response_mask"])
+        start, stop = (0, n) if rows is None else (rows.start or 0, n if rows.stop is None else rows.stop)
+        micro = self.config.micro_batch_size or max(1, stop - start)
+        out = []
         with torch.no_grad():
-            logp, _ = module.response_logp(tensors, with_entropy=False)
-        return logp.float().cpu().numpy()
+            for i in range(start, stop, micro):
+                sl = slice(i, min(i + micro, stop))
+                part = {k: _tensor(v[sl], self._device) for k, v in batch.items()}
+                logp, _ = module.response_logp(part, with_entropy=False)
+                out.append(logp.float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, batch["response_mask"].shape[1]), np.float32)
 
+    def response_logp_share(self, batch: dict[str, Any]) -> tuple[int, np.ndarray]:
+        """This learner's contiguous share of `response_logp(batch)`, with its rank: the
+        learners compute a whole batch's log-probs together."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if _world_size() > 1 else (0, 1)
+        n = len(batch["response_mask"])
+        return rank, self.response_logp(batch, rows=slice(rank * n // world, (rank + 1) * n // world))
+
+    def logp_mismatch(self, batch: dict[str, Any]) -> dict[str, float]:
+        """|learner log-prob - behaviour log-prob| over the valid tokens of `batch`, which the
+        current weights generated: max, mean and the token count."""
+        diff = np.abs(self.response_logp(batch) - batch["behavior_logp"])[batch["response_mask"] > 0]
+        return {"max": float(diff.max()), "mean": float(diff.mean()), "n": int(diff.size)} if diff.size else {}
+
+    # -- the update ----------------------------------------------------------------------
     @override(TorchLearner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
         module = self._module[module_id]
@@ -85,40 +216,133 @@ class M2POTorchLearner(TorchLearner):
         )
 
     @override(TorchLearner)
+    def _update(self, batch: dict[str, Any]):
+        """One optimizer minibatch: micro-batched forward/backward, one optimizer step."""
+        for optim in self._optimizer_parameters:
+            optim.zero_grad(set_to_none=True)
+        losses = {mid: self._accumulate_gradients(mid, mb) for mid, mb in batch.items()}
+        grads = {pid: p.grad for pid, p in self._params.items() if p.grad is not None}
+        self.apply_gradients(self.postprocess_gradients(grads))
+        return {}, losses, {}
+
+    def _accumulate_gradients(self, module_id: str, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg = self.config.get_config_for_module(module_id)
+        module = self.module[module_id]
+        world = _world_size()
+        scope_global = cfg.mask_scope == "global"
+        group = None if scope_global else LOCAL
+        n = len(mb["response_mask"])
+        micro = cfg.micro_batch_size or n
+        slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+        valid = mb["response_mask"] > 0
+
+        # The whole minibatch's counts (over every learner with the global scope).
+        counts = torch.stack([torch.count_nonzero(valid), torch.count_nonzero(valid.any(dim=1))]).double()
+        if scope_global and world > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        n_tokens, n_seqs = counts.tolist()
+        params = cfg.policy_loss_params()
+        keep = None
+        if len(slices) > 1 and scope_global and cfg.policy_loss in ("m2po", "m2po_official"):
+            logp = torch.as_tensor(self.response_logp(mb), device=self._device)  # (B, R)
+            log_ratio = logp - mb["behavior_logp"].float()
+            if cfg.policy_loss == "m2po":
+                keep = m2po_keep_mask_global(log_ratio, valid, params.get("m2_threshold", 0.04), group)
+            else:
+                adv = mb["advantages"].float()[:, None].expand_as(log_ratio)
+                params["tau_c"] = m2po_official_tau(log_ratio, adv, valid, params.get("m2_threshold", 0.04), group)
+
+        ctx = _Minibatch(
+            n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=params, keep=keep,
+            mask_scope=cfg.mask_scope if len(slices) == 1 else "local",
+        )
+        total = torch.zeros((), device=self._device)
+        ddp = hasattr(module, "no_sync")
+        for i, sl in enumerate(slices):
+            sub = {k: v[sl] for k, v in mb.items()}
+            ctx.rows = sl
+            sync = contextlib.nullcontext() if not ddp or i == len(slices) - 1 else module.no_sync()
+            with sync:
+                loss = self.compute_loss_for_module(
+                    module_id=module_id, config=cfg, batch=sub, fwd_out=module.forward_train(sub), minibatch=ctx
+                )
+                # Parts add up to the minibatch's loss; DDP averages over ranks, hence * world.
+                (loss * world if world > 1 else loss).backward()
+            total = total + loss.detach()
+
+        version = mb["policy_version"].double()
+        now = float(module.unwrapped().policy_version)
+        metrics = ctx.metrics.result(self._device, over_learners=world > 1)
+        metrics.update(
+            {
+                # age in optimizer updates of this minibatch's rows when it is trained
+                "staleness/trained_mean": now - float(version.mean()),
+                "staleness/trained_max": now - float(version.min()),
+                MICRO_BATCHES: float(len(slices)),
+            }
+        )
+        for key, value in metrics.items():
+            reduce = "max" if key.endswith("_max") else "mean"
+            self.metrics.log_value((module_id, key), value, reduce=reduce)
+        return total
+
+    @override(TorchLearner)
     def compute_loss_for_module(
-        self, *, module_id: str, config, batch: dict[str, Any], fwd_out: dict[str, Any]
+        self, *, module_id: str, config, batch: dict[str, Any], fwd_out: dict[str, Any], minibatch=None
     ) -> torch.Tensor:
-        valid = batch["response_mask"] > 0
+        """The policy loss of `batch`, a micro-batch of `minibatch` (whose counts, mask and
+        tau_c it uses; its metrics are added to `minibatch.metrics`), or a whole minibatch."""
+        ctx = minibatch or _Minibatch(params=config.policy_loss_params(), mask_scope=config.mask_scope)
         loss, metrics = compute_policy_loss(
             config.policy_loss,
             fwd_out[LOGP],
             batch["behavior_logp"],
             batch["advantages"],
-            valid,
+            batch["response_mask"] > 0,
             entropy=fwd_out.get(ENTROPY),
             loss_agg_mode=config.loss_agg_mode,
-            mask_scope=config.mask_scope,
-            **config.policy_loss_params(),
+            keep_mask=None if ctx.keep is None else ctx.keep[ctx.rows],
+            num_global_tokens=ctx.n_tokens,
+            num_global_seqs=ctx.n_seqs,
+            max_tokens=ctx.max_tokens,
+            group=None if config.mask_scope == "global" else LOCAL,
+            mask_scope=ctx.mask_scope,
+            **ctx.params,
         )
-        world = _world_size()
-        metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach() for k, v in metrics.items()}
-        metrics["policy/loss"] = loss.detach().float()
-        if world > 1:
-            metrics = _reduce_over_learners(metrics, self._device)
-        with torch.no_grad():
-            version = batch["policy_version"].float()
-            now = float(self.module[module_id].unwrapped().policy_version)
-            metrics["staleness/trained_mean"] = now - version.mean()
-            metrics["staleness/trained_max"] = now - version.min()
-        for key, value in metrics.items():
-            reduce = "max" if key.endswith("_max") else "mean"
-            self.metrics.log_value((module_id, key), value, reduce=reduce)
-        # compute_policy_loss divides by the *global* token count, so the shards' losses add
-        # up to the whole minibatch's loss; DDP averages gradients over ranks, hence * world.
-        return loss * world if world > 1 else loss
+        metrics["policy/loss"] = loss.detach()
+        ctx.metrics.add(metrics)
+        return loss
+
+    @override(TorchLearner)
+    def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
+        """Global-norm clipping with one pass over the gradients, which also tells whether
+        they are finite (a NaN or inf anywhere makes the norm non-finite)."""
+        if config.grad_clip_by != "global_norm":
+            self._grads_finite[module_id] = True
+            return super().postprocess_gradients_for_module(
+                module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
+            )
+        grads = list(module_gradients_dict.values())
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        finite = bool(torch.isfinite(norm))
+        self._grads_finite[module_id] = finite
+        if finite and config.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(grads, config.grad_clip, norm)
+        self.metrics.log_value((module_id, GRAD_NORM), float(norm), window=1)
+        return module_gradients_dict
 
     @override(TorchLearner)
     def apply_gradients(self, gradients_dict) -> None:
-        super().apply_gradients(gradients_dict)
+        """Steps each optimizer once (gradients are already in `param.grad`, accumulated over
+        the micro-batches); a minibatch with non-finite gradients is skipped and counted.
+        Either way the minibatch counts as one update of the policy version."""
         for module_id in self.module.keys():
-            self.module[module_id].unwrapped().policy_version += 1
+            if self._grads_finite.get(module_id, True):
+                for _, optim in self.get_optimizers_for_module(module_id):
+                    optim.step()
+            else:
+                logger.warning("non-finite gradients in module %s: this update is skipped", module_id)
+                self.metrics.log_value((module_id, SKIPPED_UPDATES), 1, reduce="sum")
+            inner = self.module[module_id].unwrapped()
+            inner.policy_version += 1
+            self.metrics.log_value((module_id, POLICY_VERSION), inner.policy_version, window=1)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ray.rllib.core.rl_module.torch import TorchRLModule
+from ray.rllib.utils.annotations import override
 
 LOGP = "logp"
 ENTROPY = "entropy"
@@ -65,6 +66,7 @@ class HFCausalLMModule(TorchRLModule):
         gradient_checkpointing: trade compute for memory on long responses.
     """
 
+    @override(TorchRLModule)
     def setup(self):
         from transformers import AutoModelForCausalLM
 
@@ -98,22 +100,29 @@ class HFCausalLMModule(TorchRLModule):
             with_entropy=with_entropy,
         )
 
+    @override(TorchRLModule)
     def _forward_train(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
         logp, entropy = self.response_logp(batch)
         return {LOGP: logp, ENTROPY: entropy}
 
+    @override(TorchRLModule)
     def _forward(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
         with torch.no_grad():
             logp, entropy = self.response_logp(batch)
         return {LOGP: logp, ENTROPY: entropy}
 
     # RLlib's default get_state converts to numpy, which has no bfloat16: keep torch tensors.
+    # On CPU these share memory with the parameters (as RLlib's numpy conversion does):
+    # whoever keeps the state past the next update copies it (a checkpoint or `ray.put`
+    # serialises at once; `PublishedWeights.publish` clones for in-process runners).
+    @override(TorchRLModule)
     def get_state(self, components=None, *, not_components=None, inference_only=False, **kwargs):
         return {
-            "weights": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "policy_version": int(self.policy_version),
         }
 
+    @override(TorchRLModule)
     def set_state(self, state: dict) -> None:
         if "weights" in state:
             weights = {

@@ -262,15 +262,22 @@ def test_two_learners_global_mask_equals_one_learner(ray_session, tiny_model_dir
 
 @pytest.mark.slow
 def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
+    """ASHA on held-out accuracy with evaluation every 2 iterations: every result carries
+    `heldout_accuracy` (evaluated at iteration 1, then carried), so no trial aborts."""
     from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
 
     cfg = tiny_config(tiny_model_dir, m2_threshold=tune.grid_search([0.02, 0.08]))
     cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
+    cfg.evaluation(evaluation_interval=2, evaluation_duration=4)
     tuner = tune.Tuner(
         "M2PO",
         param_space=cfg,
+        tune_config=tune.TuneConfig(
+            scheduler=ASHAScheduler(metric="heldout_accuracy", mode="max", max_t=3, grace_period=1)
+        ),
         run_config=tune.RunConfig(
-            stop={"training_iteration": 1}, storage_path=str(tmp_path), verbose=0
+            stop={"training_iteration": 3}, storage_path=str(tmp_path), verbose=0
         ),
     )
     grid = tuner.fit()
@@ -278,8 +285,37 @@ def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
     thresholds = sorted(r.config["m2_threshold"] for r in grid)
     assert thresholds == [0.02, 0.08]
     for r in grid:
-        assert r.metrics["training_iteration"] == 1
+        history = r.metrics_dataframe
         assert "m2po/m2_before" in r.metrics["learners"]["default_policy"]
+        assert history["heldout_accuracy"].notna().all() and len(history) >= 1
+        # between evaluations the last held-out accuracy is carried
+        evaluated = history.get("evaluation/env_runners/eval/accuracy")
+        if evaluated is not None and len(history) >= 2:
+            assert history["heldout_accuracy"].iloc[1] == history["heldout_accuracy"].iloc[0]
+            assert history["heldout_accuracy"].iloc[1] == evaluated.iloc[1]
+
+
+def test_heldout_accuracy_is_in_every_result_and_survives_a_checkpoint(ray_session, tiny_model_dir, tmp_path):
+    from m2po_rllib import M2PO
+
+    cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=4, evaluation_duration=4)
+    cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
+    algo = cfg.build_algo()
+    try:
+        results = [algo.train() for _ in range(2)]
+        first = results[0]["evaluation"]["env_runners"]["eval/accuracy"]  # evaluated before iteration 1
+        assert [r["heldout_accuracy"] for r in results] == [first, first]
+        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
+    finally:
+        algo.stop()
+    resumed = M2PO.from_checkpoint(ckpt)
+    try:
+        result = resumed.train()  # iteration 3: no evaluation, the restored value is carried
+        assert result["heldout_accuracy"] == first
+        # no evaluation this iteration (RLlib reports NaN for metrics not logged)
+        assert np.isnan(result["evaluation"]["env_runners"]["eval/accuracy"])
+    finally:
+        resumed.stop()
 
 
 def test_runner_ignores_stale_and_duplicate_weight_syncs(tiny_model_dir):

@@ -231,6 +231,9 @@ def test_submitted_train_job_succeeds_and_writes_its_summary(ray_head, tiny_mode
             f"job logs:\n{logs[-6000:]}\n`ray start` log:\n{ray_head.log()}"
         )
 
+    # `m2po train` joined this cluster (RAY_ADDRESS set by the job) rather than starting its own Ray.
+    driver = client.get_job_info(job_id).driver_info
+    assert driver is not None and driver.node_ip_address, f"no driver of job {job_id} connected to the head"
     # The job ran the uploaded working_dir, not an installed copy.
     imported = next(line for line in logs.splitlines() if line.startswith("m2po_rllib imported from"))
     assert f"{ray_head.temp_dir}/" in imported and "working_dir_files" in imported, imported

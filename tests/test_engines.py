@@ -267,6 +267,29 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
     assert max_logprob_diff(original, prompt_ids, engine.generate(prompt_ids, sampled), 0.9) < 1e-3
 
 
+@pytest.mark.slow
+def test_vllm_on_cpu_syncs_through_the_object_store_only(vllm_engine, tiny_model_dir, prompt_ids):
+    from m2po_rllib.rollout.weight_transfer import NCCLWeights
+
+    greedy = SamplingConfig(max_tokens=16, temperature=0)
+    before = vllm_engine.generate(prompt_ids, greedy)
+    version = vllm_engine.version
+    assert vllm_engine.update_weights(load_hf(tiny_model_dir).state_dict(), version + 1)
+    stats = vllm_engine.last_sync_stats
+    assert stats["transport"] == "object_store" and stats["chunks"] >= 1 and stats["bytes"] > 0
+    assert_same(vllm_engine.generate(prompt_ids, greedy), before)  # same weights, same policy
+
+    # No NCCL on CPU: asking for it fails at once, and an NCCL notice changes nothing.
+    assert vllm_engine.nccl is None
+    with pytest.raises(RuntimeError, match="no NCCL weight path"):
+        vllm_engine.join_weight_group({"world_size": 2})
+    with pytest.raises(RuntimeError, match="without the NCCL path"):
+        vllm_engine.update_weights(NCCLWeights(["w"], ["float32"], [[1]]), version + 2)
+    assert vllm_engine.version == version + 1
+    with pytest.raises(ValueError, match="`weight_transport='nccl'` needs vLLM on CUDA"):
+        make_engine("vllm", tiny_model_dir, weight_transport="nccl")
+
+
 def test_hf_engine_rejects_unknown_or_misshapen_weights(hf_engine):
     with pytest.raises(KeyError, match="not in the model"):
         hf_engine.update_weights({"model.nope.weight": torch.zeros(1)}, hf_engine.version + 1)

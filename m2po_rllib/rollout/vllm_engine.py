@@ -5,26 +5,12 @@ for a sampled token is taken after temperature scaling and top-p masking, i.e. o
 distribution it was sampled from; greedy requests get the raw log-softmax (vLLM's
 `Sampler.sample`). Plain vLLM would return raw-logit log-probs whatever the temperature.
 
-Weight sync - which path, when:
-- Implemented here (CPU, and a single GPU for models up to a few GB): the trainer's tensors
-  are cast to the served dtype, packed into safetensors byte strings of at most
-  `sync_chunk_bytes` each (one tensor larger than that travels alone) and sent with
-  `LLM.collective_rpc` to `WeightSyncExtension`, mixed into every vLLM worker through
-  `worker_extension_cls`. The worker loads them in checkpoint format with vLLM's layerwise
-  reload (`initialize_layerwise_reload` -> `model.load_weights` per chunk ->
-  `finalize_layerwise_reload`, what `model_runner.reload_weights` does in one call), so
-  fused or repacked kernel weights (qkv, CPU-packed linears) are rebuilt; one reload session
-  spans all chunks, so a layer whose weights straddle two chunks is processed once, whole.
-  Bytes go over vLLM's engine-core ZMQ socket (a copy per hop); the prefix cache is reset
-  afterwards, since its KV entries were computed by the old weights.
-- GPUs, large models (not wired here; needs a GPU to test): vLLM 0.32 ships
-  `vllm.distributed.weight_transfer` - `LLM(..., weight_transfer_config={"backend": "nccl"})`
-  (also "ipc" for a trainer on the same GPU, "sparse_nccl", "sharded_rdt", "nccl_m2n"), then
-  `collective_rpc("init_weight_transfer_engine", args=(init_info,))` once and per sync
-  `start_weight_update` / `update_weights(update_info)` / `finish_weight_update`; the trainer
-  side is `WeightTransferTrainerFactory` (e.g. `NCCLTrainerWeightTransferEngine.trainer_init`
-  then `send_weights`). That path moves tensors GPU-to-GPU; swap it in behind
-  `_load_weights` keeping the version logic of `GenerationEngine.update_weights`.
+Weight sync: `weight_transfer.py` holds both paths behind `WeightTransport`. A Mapping of
+tensors goes the object-store path (`ObjectStoreTransport`: safetensors chunks of at most
+`sync_chunk_bytes` through `collective_rpc`); an `NCCLWeights` notice goes vLLM's NCCL
+weight-transfer path (`NCCLTransport`, after `join_weight_group`), which on CUDA is enabled
+at start (`weight_transport="auto"`). The prefix cache is reset after either, since its KV
+entries were computed by the old weights; versions stay with `GenerationEngine`.
 
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core
 process or a worker process (pids recorded at start) is gone or a zombie; `generate` then
@@ -37,83 +23,22 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+from m2po_rllib.rollout.weight_transfer import (  # noqa: F401  (serialize_weight_chunks: re-exported)
+    DEFAULT_SYNC_CHUNK_BYTES,
+    TRANSPORTS,
+    NCCLTransport,
+    NCCLWeights,
+    ObjectStoreTransport,
+    WeightSyncExtension,
+    serialize_weight_chunks,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SYNC_CHUNK_BYTES = 256 * 2**20
-
-
-class WeightSyncExtension:
-    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run in the worker
-    process through `LLM.collective_rpc`. Prefixed names keep clear of the worker's own."""
-
-    def m2po_pid(self) -> int:
-        return os.getpid()
-
-    def m2po_start_weight_sync(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-
-    def m2po_load_weight_chunk(self, payload: bytes) -> int:
-        """Loads one safetensors-serialised chunk; returns how many tensors it held."""
-        from safetensors.torch import load
-        from vllm.config import set_current_vllm_config
-
-        tensors = load(payload)
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(iter(tensors.items()))
-        return len(tensors)
-
-    def m2po_finish_weight_sync(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
-        # What `model_runner.reload_weights` also drops: state derived from the old weights.
-        for reset in ("reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(self.model_runner, reset):
-                getattr(self.model_runner, reset)()
-
-
-def serialize_weight_chunks(
-    weights: Mapping[str, torch.Tensor], chunk_bytes: int, dtype: torch.dtype | None = None
-) -> Iterator[bytes]:
-    """Yields safetensors byte strings of at most `chunk_bytes` of tensor data each (a single
-    larger tensor gets a chunk of its own); floating tensors are cast to `dtype` if given.
-
-    Tensors sharing storage (tied embeddings, views of a fused parameter) are cloned, since
-    safetensors refuses to serialise shared memory.
-    """
-    from safetensors.torch import save
-
-    chunk: dict[str, torch.Tensor] = {}
-    size, storages = 0, set()
-    for name, tensor in weights.items():
-        t = tensor.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > chunk_bytes:
-            yield save(chunk)
-            chunk, size, storages = {}, 0, set()
-        storage = t.untyped_storage()
-        if storage.data_ptr() in storages or storage.nbytes() != nbytes:
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        chunk[name] = t
-        size += nbytes
-    if chunk:
-        yield save(chunk)
 
 
 def pid_alive(pid: int) -> bool:
@@ -146,6 +71,7 @@ class VLLMEngine(GenerationEngine):
         kv_cache_space_gb: int = 1,
         seed: int = 0,
         sync_chunk_bytes: int = DEFAULT_SYNC_CHUNK_BYTES,
+        weight_transport: str = "auto",
         shutdown_timeout_s: float = 30.0,
         **llm_kwargs,
     ):
@@ -158,7 +84,9 @@ class VLLMEngine(GenerationEngine):
           back only for big models), False (CUDA graphs) on GPU.
         - `kv_cache_space_gb`: CPU KV-cache size, exported as VLLM_CPU_KVCACHE_SPACE unless
           that is already set.
-        - `sync_chunk_bytes`: most tensor bytes per weight-sync RPC.
+        - `sync_chunk_bytes`: most tensor bytes per weight-sync RPC (object-store path).
+        - `weight_transport`: "auto" enables the NCCL receive path on CUDA (the object-store
+          path always works); "nccl" requires CUDA; "object_store" never sets up NCCL.
         - `shutdown_timeout_s`: how long `shutdown()` lets the engine core tear down before
           killing it (vLLM's own default, 5 s, is too short on a busy CPU and leaks its
           shared memory; a clean exit takes ~7 s there).
@@ -168,16 +96,25 @@ class VLLMEngine(GenerationEngine):
         from vllm.platforms import current_platform
 
         super().__init__()
-        if sync_chunk_bytes < 1:
-            raise ValueError(f"`sync_chunk_bytes` ({sync_chunk_bytes}) must be >= 1")
+        self.object_store = ObjectStoreTransport(sync_chunk_bytes)
         on_cpu = current_platform.is_cpu()
+        if weight_transport not in TRANSPORTS:
+            raise ValueError(f"`weight_transport` ({weight_transport!r}) must be one of {TRANSPORTS}")
+        on_cuda = current_platform.is_cuda()
+        if weight_transport == "nccl" and not on_cuda:
+            raise ValueError(
+                f"`weight_transport='nccl'` needs vLLM on CUDA (platform: {current_platform.device_type}); "
+                "use 'auto' or 'object_store'"
+            )
+        self.nccl = NCCLTransport() if on_cuda and weight_transport != "object_store" else None
+        if self.nccl is not None:
+            llm_kwargs = {**NCCLTransport.LLM_KWARGS, **llm_kwargs}
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gb)))
         elif gpu_memory_utilization is not None:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.sync_chunk_bytes = sync_chunk_bytes
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.last_sync_stats: dict[str, float] = {}
+        self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
 
         started = time.perf_counter()
@@ -188,7 +125,7 @@ class VLLMEngine(GenerationEngine):
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            worker_extension_cls=f"{WeightSyncExtension.__module__}.WeightSyncExtension",
             **llm_kwargs,
         )
         self.startup_seconds = time.perf_counter() - started
@@ -257,25 +194,39 @@ class VLLMEngine(GenerationEngine):
 
     # --- weights --------------------------------------------------------------------------
 
-    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    @property
+    def sync_chunk_bytes(self) -> int:
+        return self.object_store.chunk_bytes
+
+    @sync_chunk_bytes.setter
+    def sync_chunk_bytes(self, value: int) -> None:
+        self.object_store = ObjectStoreTransport(value)
+
+    def rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """`collective_rpc` into every vLLM worker (what the transports call)."""
+        return self._call(self.llm.collective_rpc, method, args=args, kwargs=kwargs)
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Joins the learner's NCCL weight-transfer group (`NCCLWeightSender.connect`)."""
         self._check_alive()
-        started = time.perf_counter()
-        num_chunks = num_bytes = 0
-        self._call(self.llm.collective_rpc, "m2po_start_weight_sync")
-        try:
-            for payload in serialize_weight_chunks(weights, self.sync_chunk_bytes, self.dtype):
-                self._call(self.llm.collective_rpc, "m2po_load_weight_chunk", args=(payload,))
-                num_chunks += 1
-                num_bytes += len(payload)
-        finally:
-            if self.is_healthy():
-                self._call(self.llm.collective_rpc, "m2po_finish_weight_sync")
+        if self.nccl is None:
+            raise RuntimeError(
+                "this VLLMEngine has no NCCL weight path (it needs vLLM on CUDA and "
+                "weight_transport 'auto' or 'nccl')"
+            )
+        self.nccl.join(self, init_info)
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor] | NCCLWeights) -> None:
+        self._check_alive()
+        if isinstance(weights, NCCLWeights):
+            if self.nccl is None:
+                raise RuntimeError("an NCCL weight sync reached a VLLMEngine without the NCCL path")
+            transport = self.nccl
+        else:
+            transport = self.object_store
+        stats = transport.load(self, weights, self.dtype)
         self._call(self.llm.reset_prefix_cache)
-        self.last_sync_stats = {
-            "seconds": time.perf_counter() - started,
-            "bytes": num_bytes,
-            "chunks": num_chunks,
-        }
+        self.last_sync_stats = {**stats, "transport": transport.name}
 
     # --- lifecycle ------------------------------------------------------------------------
 

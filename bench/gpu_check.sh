@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The first short GPU run (<= 8 minutes on one H200), from the repo root of a bare machine:
+#   bash bench/gpu_check.sh [--dry-run]
+# Installs the GPU extras unless vllm already imports, then writes under ${OUT:-bench/results/gpu}:
+#   nvidia-smi.txt, vllm.json/.log (bench/gpu_vllm_check.py: 0.5B-shaped vLLM, tokens/s, weight
+#   sync seconds by object store vs NCCL/IPC), learner.json/.log (bench/gpu_learner_check.py,
+#   if that file exists). --dry-run prints the steps without running them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+OUT=${OUT:-bench/results/gpu}
+DRY_RUN=0
+[[ ${1:-} == --dry-run ]] && DRY_RUN=1
+if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3; fi
+# Seconds per step; the whole run stays under 8 minutes even when every step hits its cap.
+INSTALL_S=150 VLLM_S=210 LEARNER_S=100
+
+step() {  # step NAME SECONDS CMD...: runs CMD under a time cap, logs to $OUT/NAME.log
+  local name=$1 seconds=$2; shift 2
+  echo "[gpu_check] $name (at most ${seconds}s): $*"
+  [[ $DRY_RUN == 1 ]] && return 0
+  local t0=$SECONDS
+  timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "[gpu_check] $name: exit $rc after $((SECONDS - t0))s"
+  return "$rc"
+}
+
+mkdir -p "$OUT"
+echo "[gpu_check] python: $PY, results: $OUT"
+if [[ $DRY_RUN == 0 ]]; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "[gpu_check] nvidia-smi failed (see $OUT/nvidia-smi.txt)"
+fi
+if "$PY" -c "import vllm" 2>/dev/null; then
+  echo "[gpu_check] vllm imports: skipping the install"
+else
+  step install "$INSTALL_S" "$PY" -m pip install -q -c constraints/gpu.txt -e ".[gpu]" \
+    || { echo "[gpu_check] install failed: see $OUT/install.log"; exit 1; }
+fi
+status=0
+step vllm "$VLLM_S" "$PY" bench/gpu_vllm_check.py --out "$OUT/vllm.json" || status=1
+if [[ -f bench/gpu_learner_check.py ]]; then
+  step learner "$LEARNER_S" "$PY" bench/gpu_learner_check.py --device cuda --out "$OUT/learner.json" || status=1
+else
+  echo "[gpu_check] bench/gpu_learner_check.py not present: skipped"
+fi
+echo "[gpu_check] done (status $status); results in $OUT"
+exit $status

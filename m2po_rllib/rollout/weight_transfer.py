@@ -1,0 +1,360 @@
+"""How the learner's weights reach the vLLM workers: `WeightTransport` and its two paths.
+
+- `ObjectStoreTransport` ("object_store"; CPU, and the fallback everywhere): the tensors reach
+  the EnvRunner through RLlib's `sync_weights` (the Ray object store), are cast to the served
+  dtype, packed into safetensors byte strings of at most `chunk_bytes` each and sent with
+  `collective_rpc` to `WeightSyncExtension` in every vLLM worker (a copy per hop over vLLM's
+  ZMQ socket). One layerwise-reload session spans all chunks, so fused or repacked kernel
+  weights are rebuilt once, whole.
+- `NCCLTransport` ("nccl"; learner and vLLM on different GPUs): vLLM 0.32's weight-transfer
+  engine (`LLM(weight_transfer_config={"backend": "nccl"})`). The learner is rank 0 of an
+  NCCL group whose other ranks are the vLLM workers of every EnvRunner (`NCCLWeightSender`,
+  around vLLM's `NCCLTrainerWeightTransferEngine`); it broadcasts the tensors GPU to GPU
+  while each runner, sent only their names, dtypes and shapes (`NCCLWeights`), receives them
+  inside `start_weight_update` / `update_weights` / `finish_weight_update`. NCCL refuses two
+  ranks on one GPU, so a learner sharing a GPU with vLLM keeps the object-store path.
+
+`select_transport` picks one ("auto": nccl when both sides are on CUDA and on different
+GPUs). Versions stay with `GenerationEngine.update_weights`; a collective cannot skip a rank,
+so the sender only ever broadcasts a version newer than any before (see `NCCLWeightSender`).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+DEFAULT_SYNC_CHUNK_BYTES = 256 * 2**20
+TRANSPORTS = ("auto", "object_store", "nccl")
+
+
+def select_transport(requested: str, *, vllm_on_gpu: bool, trainer_on_gpu: bool, shared_gpu: bool = False) -> str:
+    """The transport a weight sync uses: "object_store" or "nccl"."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"weight transport {requested!r} is not one of {TRANSPORTS}")
+    nccl_ok = vllm_on_gpu and trainer_on_gpu and not shared_gpu
+    if requested == "nccl" and not nccl_ok:
+        why = (
+            "the learner and vLLM share a GPU (NCCL refuses two ranks on one device)"
+            if shared_gpu
+            else f"it needs CUDA on both sides (vLLM on GPU: {vllm_on_gpu}, learner on GPU: {trainer_on_gpu})"
+        )
+        raise ValueError(f"weight transport 'nccl' cannot be used: {why}; use 'object_store' or 'auto'")
+    if requested == "auto":
+        return "nccl" if nccl_ok else "object_store"
+    return requested
+
+
+class VLLMWorkers(Protocol):
+    """What a transport needs of the engine: RPCs into every vLLM worker (the engine turns a
+    failure of a dead engine into `EngineDeadError`) and its health."""
+
+    def rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list: ...
+
+    def is_healthy(self) -> bool: ...
+
+
+class WeightTransport(abc.ABC):
+    """Moves one weight sync into the served model; the engine owns versions and caches."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def load(self, workers: VLLMWorkers, payload: Any, dtype: torch.dtype) -> dict[str, float]:
+        """Loads `payload` into every worker; returns {"seconds", "bytes", ...}."""
+
+
+# --- the object-store path ------------------------------------------------------------------
+
+
+class WeightSyncExtension:
+    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run in the worker
+    process through `LLM.collective_rpc`. Prefixed names keep clear of the worker's own."""
+
+    def m2po_pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def m2po_start_weight_sync(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def m2po_load_weight_chunk(self, payload: bytes) -> int:
+        """Loads one safetensors-serialised chunk; returns how many tensors it held."""
+        from safetensors.torch import load
+        from vllm.config import set_current_vllm_config
+
+        tensors = load(payload)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(iter(tensors.items()))
+        return len(tensors)
+
+    def m2po_finish_weight_sync(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        # What `model_runner.reload_weights` also drops: state derived from the old weights.
+        for reset in ("reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+
+
+def serialize_weight_chunks(
+    weights: Mapping[str, torch.Tensor], chunk_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[bytes]:
+    """Yields safetensors byte strings of at most `chunk_bytes` of tensor data each (a single
+    larger tensor gets a chunk of its own); floating tensors are cast to `dtype` if given.
+
+    Tensors sharing storage (tied embeddings, views of a fused parameter) are cloned, since
+    safetensors refuses to serialise shared memory.
+    """
+    from safetensors.torch import save
+
+    chunk: dict[str, torch.Tensor] = {}
+    size, storages = 0, set()
+    for name, tensor in weights.items():
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > chunk_bytes:
+            yield save(chunk)
+            chunk, size, storages = {}, 0, set()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in storages or storage.nbytes() != nbytes:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        chunk[name] = t
+        size += nbytes
+    if chunk:
+        yield save(chunk)
+
+
+class ObjectStoreTransport(WeightTransport):
+    """Payload: the tensors themselves (HF checkpoint names; a subset is fine)."""
+
+    name = "object_store"
+
+    def __init__(self, chunk_bytes: int = DEFAULT_SYNC_CHUNK_BYTES):
+        if chunk_bytes < 1:
+            raise ValueError(f"`sync_chunk_bytes` ({chunk_bytes}) must be >= 1")
+        self.chunk_bytes = chunk_bytes
+
+    def load(self, workers: VLLMWorkers, payload: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+        started = time.perf_counter()
+        num_chunks = num_bytes = 0
+        workers.rpc("m2po_start_weight_sync")
+        try:
+            for chunk in serialize_weight_chunks(payload, self.chunk_bytes, dtype):
+                workers.rpc("m2po_load_weight_chunk", args=(chunk,))
+                num_chunks += 1
+                num_bytes += len(chunk)
+        finally:
+            if workers.is_healthy():
+                workers.rpc("m2po_finish_weight_sync")
+        return {"seconds": time.perf_counter() - started, "bytes": num_bytes, "chunks": num_chunks}
+
+
+# --- the NCCL path --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NCCLWeights:
+    """What a runner receives for one NCCL sync: the tensors the learner is broadcasting, by
+    name, dtype and shape (vLLM's `NCCLWeightTransferUpdateInfo`)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(
+            torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(self.dtype_names, self.shapes)
+        )
+
+
+class NCCLTransport(WeightTransport):
+    """Payload: `NCCLWeights`; the bytes arrive by NCCL broadcast from `NCCLWeightSender`."""
+
+    name = "nccl"
+    LLM_KWARGS: ClassVar[dict] = {"weight_transfer_config": {"backend": "nccl"}}
+
+    def join(self, workers: VLLMWorkers, init_info: dict) -> None:
+        """Joins the learner's NCCL group (blocks until every rank has joined)."""
+        workers.rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def load(self, workers: VLLMWorkers, payload: NCCLWeights, dtype: torch.dtype) -> dict[str, float]:
+        started = time.perf_counter()
+        workers.rpc("start_weight_update")
+        try:
+            workers.rpc("update_weights", kwargs={"update_info": asdict(payload)})
+        finally:
+            if workers.is_healthy():
+                workers.rpc("finish_weight_update")
+        return {"seconds": time.perf_counter() - started, "bytes": payload.num_bytes, "tensors": len(payload.names)}
+
+
+class StateDictSource:
+    """The learner's weights as a vLLM `WeightSource` (duck-typed: `metadata()` and a fresh
+    pass per round): floating tensors cast to the served dtype on their own device. A tensor
+    sharing storage with an earlier one (tied `lm_head`) is not sent: vLLM ties it itself."""
+
+    def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]], dtype: torch.dtype):
+        self.state_fn = state_fn
+        self.dtype = dtype
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen = set()
+        for name, t in self.state_fn().items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            yield name, t.detach()
+
+    def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if t.is_floating_point() else t.dtype
+
+    def metadata(self) -> list:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, self._wire_dtype(t), tuple(t.shape)) for n, t in self._tensors()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._tensors():
+            yield name, t.to(self._wire_dtype(t)).contiguous()
+
+
+class RunnerGroupClient:
+    """vLLM's `VLLMWeightSyncClient` (a structural protocol) over EnvRunners.
+
+    Each target is a Ray actor handle or a local object with two methods:
+    `m2po_join_weight_group(init_info)` and `m2po_receive_weights(update_info, version)`
+    (`EngineTarget` gives them to a `VLLMEngine`). Target k holds `workers_per_target[k]`
+    vLLM workers (its tensor-parallel size) at ranks after those of targets 0..k-1; the
+    learner is rank 0. A whole round is one call per target, made in `update_weights`, which
+    the trainer engine runs alongside its broadcast; start / finish are no-ops because each
+    runner opens and closes its own reload session around the receive.
+    """
+
+    def __init__(self, targets: Sequence, workers_per_target: Sequence[int] | None = None):
+        self.targets = list(targets)
+        self.workers_per_target = list(workers_per_target or [1] * len(self.targets))
+        if len(self.workers_per_target) != len(self.targets) or min(self.workers_per_target, default=1) < 1:
+            raise ValueError(
+                f"workers_per_target ({self.workers_per_target}) needs one count >= 1 per target "
+                f"({len(self.targets)} targets)"
+            )
+        self.version: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.workers_per_target)
+
+    def rank_offsets(self) -> list[int]:
+        offsets, next_rank = [], 1
+        for n in self.workers_per_target:
+            offsets.append(next_rank)
+            next_rank += n
+        return offsets
+
+    def _call_all(self, method: str, per_target_args: list[tuple]) -> list:
+        import ray
+
+        remote = [hasattr(getattr(t, method), "remote") for t in self.targets]
+        if all(remote):
+            return ray.get([getattr(t, method).remote(*a) for t, a in zip(self.targets, per_target_args)])
+        # Local targets block inside the collective: call them side by side.
+        with ThreadPoolExecutor(max_workers=max(1, len(self.targets))) as pool:
+            futures = [pool.submit(getattr(t, method), *a) for t, a in zip(self.targets, per_target_args)]
+            return [f.result() for f in futures]
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if init_info["world_size"] != self.world_size:
+            raise ValueError(f"NCCL world_size {init_info['world_size']} != 1 learner + {self.world_size - 1} workers")
+        args = [({**init_info, "rank_offset": off},) for off in self.rank_offsets()]
+        self._call_all("m2po_join_weight_group", args)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        if self.version is None:
+            raise RuntimeError("RunnerGroupClient.version is unset: NCCLWeightSender.send sets it")
+        self._call_all("m2po_receive_weights", [(update_info, self.version)] * len(self.targets))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+class EngineTarget:
+    """A local `VLLMEngine` as a `RunnerGroupClient` target (what `LLMEnvRunner` is remotely)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def m2po_join_weight_group(self, init_info: dict) -> None:
+        self.engine.join_weight_group(init_info)
+
+    def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
+        return self.engine.update_weights(NCCLWeights(**update_info), version)
+
+
+class NCCLWeightSender:
+    """The learner's side of `NCCLTransport`: rank 0 of the group, on its own GPU."""
+
+    def __init__(
+        self,
+        client: RunnerGroupClient,
+        state_fn: Callable[[], Mapping[str, torch.Tensor]],
+        dtype: torch.dtype,
+        *,
+        master_address: str,
+        master_port: int,
+        packed: bool = True,
+    ):
+        self.client = client
+        self.source = StateDictSource(state_fn, dtype)
+        self.init = dict(master_address=master_address, master_port=master_port, packed=packed)
+        self._engine = None
+        self._sent_version: int | None = None
+
+    def connect(self) -> None:
+        """Opens the group with every runner's workers (they join concurrently)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        info = NCCLTrainerInitInfo(**self.init, world_size=self.client.world_size, rank=0)
+        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+
+    def send(self, version: int) -> dict[str, float]:
+        """Broadcasts the current weights as `version` (must be newer than the last sent: a
+        runner that skipped a stale version would leave the collective hanging)."""
+        if self._engine is None:
+            raise RuntimeError("NCCLWeightSender.connect() must run before send()")
+        if self._sent_version is not None and version <= self._sent_version:
+            raise ValueError(f"version {version} is not newer than the last one sent ({self._sent_version})")
+        started = time.perf_counter()
+        self.client.version = version
+        self._engine.send_weights()
+        self._sent_version = version
+        return {"seconds": time.perf_counter() - started, "version": version}
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None

@@ -5,10 +5,11 @@ for every position of the batch, (B, P + R, V), plus their log-softmax and the a
 copies: at Qwen's vocabulary (V = 151,936) and 64 x 3,072 response tokens that is ~119 GB
 per copy. Here the decoder runs alone (no logits for prompt positions) and the LM head,
 the softmax and the target gather run chunk by chunk of positions inside one autograd
-Function that saves only its inputs (hidden states, head weight, targets) and recomputes
-each chunk's logits in backward: the selective log-softmax of TRL and verl, with a
-backward of its own, so the extra memory is O(chunk_size x V) float32 in forward and in
-backward, whatever the micro-batch.
+Function that saves only its inputs (hidden states, head weight, targets) and each
+position's log-normaliser, and recomputes each chunk's logits in backward: the selective
+log-softmax of TRL and verl with a backward of its own, so the extra memory is
+O(chunk_size x V) float32 in forward and in backward, whatever the micro-batch (plus, in
+backward, one float32 (V, H) accumulator for the head's gradient).
 
 Logits are computed in the head's dtype (bf16 weights stay bf16 in the matmul), then
 cast to float32 for the softmax, as the full-logits path does. The entropy is a
@@ -68,18 +69,19 @@ class _ChunkedLogp(torch.autograd.Function):
         # hidden (N, H), targets (N,)
         n_pos = hidden.shape[0]
         logp = hidden.new_empty(n_pos, dtype=torch.float32)
+        lse = hidden.new_empty(n_pos, dtype=torch.float32)  # kept for backward: N floats
         entropy = hidden.new_empty(n_pos, dtype=torch.float32) if with_entropy else None
         for start in range(0, n_pos, chunk_size):
             end = min(start + chunk_size, n_pos)
             logits = _chunk_logits(hidden[start:end], weight, bias, temperature)  # (n, V)
-            lse = logits.logsumexp(-1)  # (n,)
-            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
+            lse[start:end] = chunk_lse = logits.logsumexp(-1)  # (n,)
+            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
             if with_entropy:
-                # H = -sum p log p, with log p = logits - lse; in place: one (n, V) buffer more
-                log_p = logits.sub_(lse[:, None])
-                entropy[start:end] = -(log_p.exp() * log_p).sum(-1)
+                # H = -sum p log p with log p = logits - lse, in place: one (n, V) buffer more
+                log_p = logits.sub_(chunk_lse[:, None])
+                entropy[start:end] = log_p.exp().mul_(log_p).sum(-1).neg_()
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         if with_entropy:
@@ -88,7 +90,7 @@ class _ChunkedLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_logp = grad_logp.float()
@@ -101,7 +103,7 @@ class _ChunkedLogp(torch.autograd.Function):
             h = hidden[start:end]
             logits = _chunk_logits(h, weight, bias, temperature)  # (n, V)
             # d logp / d logits = (onehot(target) - softmax) / temperature
-            probs = logits.sub_(logits.logsumexp(-1, keepdim=True)).exp_()
+            probs = logits.sub_(lse[start:end, None]).exp_()
             grad_logits = probs.neg_()
             grad_logits.scatter_add_(
                 -1, targets[start:end, None], torch.ones_like(grad_logits[:, :1])
@@ -113,7 +115,10 @@ class _ChunkedLogp(torch.autograd.Function):
             if need_h:
                 grad_hidden[start:end] = grad_logits @ weight
             if need_w:
-                grad_weight += (grad_logits.t() @ h.to(weight.dtype)).float()
+                if grad_weight.dtype == weight.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:  # a (V, H) product in the weight's dtype, summed in float32
+                    grad_weight += (grad_logits.t() @ h).float()
             del logits, probs, grad_logits
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
@@ -141,7 +146,7 @@ def chunked_logp_entropy(
         targets: (B, R) token ids.
         temperature: logits are divided by it before the softmax (the sampling distribution).
         chunk_size: positions per chunk over the flattened (B * R) positions; the extra
-            memory is ~3 x chunk_size x V x 4 bytes at a time.
+            memory is ~2 x chunk_size x V x 4 bytes at a time (+ V x H x 4 in backward).
         with_entropy: also return the per-token entropy (float32, no gradient).
 
     Returns:

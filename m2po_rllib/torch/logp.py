@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -53,16 +52,37 @@ def response_hidden_states(
     return hidden[:, prompt_len - 1 : -1, :]  # (B, R, H)
 
 
-def _chunk_logits(h, weight, bias, temperature):
-    """float32 logits / temperature of one chunk of positions: (n, V)."""
-    logits = F.linear(h, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits.div_(temperature)
-    return logits
+class _ChunkBuffers:
+    """The buffers one call reuses for every chunk: float32 (n, V) logits; in forward a
+    float32 (n, V) work buffer; and, when the head is not float32, (n, V) and (in backward)
+    (V, H) ones in its dtype for the matmuls. Reuse matters on CPU, where each fresh (n, V)
+    tensor is a new mmap and its page faults."""
+
+    def __init__(self, rows, weight, backward: bool):
+        V, low = weight.shape[0], weight.dtype != torch.float32
+        self.logits = weight.new_empty(rows, V, dtype=torch.float32)
+        self.work = None if backward else weight.new_empty(rows, V, dtype=torch.float32)
+        self.low = weight.new_empty(rows, V) if low else None
+        self.low_weight_grad = torch.empty_like(weight) if low and backward else None
+
+    def logits_of(self, h, weight, bias, temperature):
+        """float32 logits / temperature of one chunk (n, V), computed in the weight's dtype."""
+        n = h.shape[0]
+        out = self.logits[:n]
+        if self.low is None:
+            torch.mm(h, weight.t(), out=out)
+            if bias is not None:
+                out.add_(bias)
+        else:
+            low = torch.mm(h, weight.t(), out=self.low[:n])
+            if bias is not None:
+                low.add_(bias)
+            out.copy_(low)
+        return out.div_(temperature) if temperature != 1.0 else out
 
 
 class _ChunkedLogp(torch.autograd.Function):
-    """log softmax(h W^T + b)[target] / temperature over chunks of flattened positions."""
+    """log softmax((h W^T + b) / temperature)[target] over chunks of flattened positions."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
@@ -71,16 +91,19 @@ class _ChunkedLogp(torch.autograd.Function):
         logp = hidden.new_empty(n_pos, dtype=torch.float32)
         lse = hidden.new_empty(n_pos, dtype=torch.float32)  # kept for backward: N floats
         entropy = hidden.new_empty(n_pos, dtype=torch.float32) if with_entropy else None
+        bufs = _ChunkBuffers(min(chunk_size, n_pos), weight, backward=False)
         for start in range(0, n_pos, chunk_size):
             end = min(start + chunk_size, n_pos)
-            logits = _chunk_logits(hidden[start:end], weight, bias, temperature)  # (n, V)
-            lse[start:end] = chunk_lse = logits.logsumexp(-1)  # (n,)
+            logits = bufs.logits_of(hidden[start:end], weight, bias, temperature)  # (n, V)
+            top = logits.amax(-1, keepdim=True)  # (n, 1)
+            unnormalised = torch.sub(logits, top, out=bufs.work[: end - start]).exp_()  # (n, V)
+            total = unnormalised.sum(-1, keepdim=True)
+            chunk_lse = (top + total.log()).squeeze(-1)  # (n,)
+            lse[start:end] = chunk_lse
             logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-            if with_entropy:
-                # H = -sum p log p with log p = logits - lse, in place: one (n, V) buffer more
-                log_p = logits.sub_(chunk_lse[:, None])
-                entropy[start:end] = log_p.exp().mul_(log_p).sum(-1).neg_()
-            del logits
+            if with_entropy:  # H = lse - E_p[logits]
+                mean_logit = unnormalised.mul_(logits).sum(-1) / total.squeeze(-1)
+                entropy[start:end] = chunk_lse - mean_logit
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -98,28 +121,27 @@ class _ChunkedLogp(torch.autograd.Function):
         # float32 accumulators across chunks (one V x H buffer); cast to the weight's dtype at the end
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        bufs = _ChunkBuffers(min(chunk_size, hidden.shape[0]), weight, backward=True)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = _chunk_logits(h, weight, bias, temperature)  # (n, V)
-            # d logp / d logits = (onehot(target) - softmax) / temperature
-            probs = logits.sub_(lse[start:end, None]).exp_()
-            grad_logits = probs.neg_()
-            grad_logits.scatter_add_(
-                -1, targets[start:end, None], torch.ones_like(grad_logits[:, :1])
-            )
+            logits = bufs.logits_of(h, weight, bias, temperature)  # (n, V)
+            # d logp / d logits = (onehot(target) - softmax) / temperature, in place
+            grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
+            grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits.mul_((grad_logp[start:end] / temperature)[:, None])
             if need_b:
                 grad_bias += grad_logits.sum(0)
-            grad_logits = grad_logits.to(weight.dtype)
+            if bufs.low is not None:  # the matmuls run in the weight's dtype, as autograd's would
+                grad_logits = bufs.low[: end - start].copy_(grad_logits)
             if need_h:
-                grad_hidden[start:end] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if need_w:
-                if grad_weight.dtype == weight.dtype:
+                if bufs.low is None:
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:  # a (V, H) product in the weight's dtype, summed in float32
-                    grad_weight += (grad_logits.t() @ h).float()
-            del logits, probs, grad_logits
+                    grad_weight += torch.mm(grad_logits.t(), h, out=bufs.low_weight_grad)
+        del bufs
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
         if need_b:

@@ -4,6 +4,7 @@
     m2po train --resume DIR
     m2po eval  --checkpoint DIR | --model builtin:arith-tiny  [--split heldout] [--samples k]
     m2po export --checkpoint DIR --out HF_DIR
+    m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80]
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a run directory or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (loadable by transformers and vLLM)")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("plan", help="dry run: Ray resources, parameter count, learner memory (no weights loaded)")
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/paper_qwen3_1.7b_stale256.yaml")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one learner GPU in GiB (default 80)")
+    p.add_argument("--prompt-len", type=int, default=None, help="longest prompt (default: max_model_len - max_new_tokens)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.micro_batch_size=4")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 
@@ -94,6 +102,12 @@ def _cmd_export(args) -> int:
     path = export_checkpoint(args.checkpoint, args.out)
     print(f"wrote a Hugging Face model to {path}")
     return 0
+
+
+def _cmd_plan(args) -> int:
+    from m2po_rllib.plan import run_plan
+
+    return run_plan(args.config, args.gpu_memory_gb, overrides=args.overrides, prompt_len=args.prompt_len)
 
 
 def main(argv: list[str] | None = None) -> int:

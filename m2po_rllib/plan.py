@@ -1,0 +1,277 @@
+"""`m2po plan`: a dry run of a config for a cluster, without loading any weights.
+
+Validates the config (the same `validate()` that `m2po train` runs), prints the resources
+RLlib will ask Ray for (`M2PO.default_resource_request`), the model's parameter count from
+its config.json alone (built on the meta device), and the estimated peak memory of each
+learner with the chosen micro-batch, under DDP (a full replica per learner) and under FSDP
+(states sharded over the learners), against a device of `--gpu-memory-gb`.
+
+Hub names resolve to the hub's config.json when reachable (or cached), else to the copy
+shipped in m2po_rllib/assets/model_configs/ (written from the public architecture numbers).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+GiB = 2**30
+SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
+DEFAULT_LOGP_CHUNK = 256
+DEFAULT_PROMPT_LEN = 1024  # when engine_kwargs.max_model_len does not bound the prompt
+HEADROOM = 0.9  # of device memory usable by tensors (CUDA context, allocator fragmentation, NCCL)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    source: str  # where config.json came from
+    model_type: str
+    num_params: int
+    embedding_params: int  # input embedding + an untied output head
+    layer_params: int  # one decoder layer
+    hidden: int
+    intermediate: int
+    kv_dim: int  # key/value width: num_key_value_heads x head_dim
+    layers: int
+    vocab: int
+    tied: bool
+    max_positions: int
+
+
+def resolve_model_config(name: str):
+    """(transformers config, where it came from) for a directory, builtin or hub name."""
+    from transformers import AutoConfig
+
+    from m2po_rllib.models.builtin import resolve_model_path
+
+    if name.startswith("builtin:") or os.path.isdir(name):
+        path = resolve_model_path(name)
+        return AutoConfig.from_pretrained(path), f"{path}/config.json"
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True), "the local Hugging Face cache"
+    except (OSError, ValueError):
+        pass
+    online = _hub_reachable()
+    if online:
+        try:
+            return AutoConfig.from_pretrained(name), "the Hugging Face hub"
+        except (OSError, ValueError):
+            pass
+    shipped = SHIPPED_CONFIGS / name
+    if (shipped / "config.json").exists():
+        why = "the hub has no such model" if online else (
+            "offline: HF_HUB_OFFLINE is set" if _offline_env() else "offline: the hub is not reachable"
+        )
+        where = shipped.relative_to(SHIPPED_CONFIGS.parents[2])
+        return AutoConfig.from_pretrained(shipped), f"the shipped copy {where}/config.json ({why})"
+    raise ValueError(
+        f"no config.json for model {name!r}: not a directory, not in the HF cache, "
+        f"{'not on the hub' if online else 'the hub is not reachable'}, and no shipped copy under "
+        f"{SHIPPED_CONFIGS}; pass a local model directory"
+    )
+
+
+def _offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connect to the hub (transformers' own retries take ~1 min to give up)."""
+    if _offline_env():
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def model_shape(name: str) -> ModelShape:
+    """Parameter counts (of the model built on the meta device: no memory) and the sizes
+    the memory estimate needs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, source = resolve_model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+    embedding = sum(p.numel() for p in {model.get_input_embeddings().weight, model.get_output_embeddings().weight})
+    layer = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        name=name, source=source, model_type=config.model_type, num_params=total, embedding_params=embedding,
+        layer_params=layer, hidden=config.hidden_size, intermediate=config.intermediate_size,
+        kv_dim=getattr(config, "num_key_value_heads", heads) * head_dim, layers=config.num_hidden_layers,
+        vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
+        max_positions=getattr(config, "max_position_embeddings", 0),
+    )
+
+
+def estimate_learner_memory(
+    m: ModelShape, *, dtype_bytes: int, micro_batch_size: int, seq_len: int, chunk_size: int,
+    gradient_checkpointing: bool, num_learners: int, ddp_bucket_copy: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Peak bytes per learner, by component, for "ddp" and "fsdp". An upper estimate: the
+    components are added although some peak at different moments.
+
+    b = dtype_bytes, P = parameters, T = micro_batch_size x seq_len tokens, H, I, kv, V, L
+    as in `ModelShape`:
+      weights b P, gradients b P, AdamW moments 8 P (two float32 states);
+      DDP: + b P gradient buckets (DDP copies gradients unless gradient_as_bucket_view);
+      FSDP over n learners: (weights + gradients + moments) / n, plus the unsharded working
+        set 2 b (2 layer_params + embedding_params) (a layer and its prefetched successor,
+        the embedding/head, and their unsharded gradients);
+      activations of one decoder layer per token, HF Llama/Qwen layer with SDPA (no T x T):
+        a = b (6H + 2kv + 4I) + 8H  (attention 3H + 2kv, MLP H + 4I, two RMSNorms saving a
+        float32 input 4H and a normalised copy bH each);
+        with gradient checkpointing T (L b H + a) (each layer's input, one layer recomputed),
+        without T L a; plus T H (4 + 3b) (embedding output, final norm, response hidden);
+      chunked log-probs: 3 x chunk x V x 4 (float32 logits chunk and its temporaries) and the
+        head's float32 gradient accumulator 4 V H (+ b V H product when b != 4).
+    """
+    b, P, T = dtype_bytes, m.num_params, micro_batch_size * seq_len
+    H, I, kv, V, L = m.hidden, m.intermediate, m.kv_dim, m.vocab, m.layers
+    per_layer = b * (6 * H + 2 * kv + 4 * I) + 8 * H
+    layers = T * (L * b * H + per_layer) if gradient_checkpointing else T * L * per_layer
+    activations = layers + T * H * (4 + 3 * b)
+    logp = 3 * chunk_size * V * 4 + 4 * V * H + (b * V * H if b != 4 else 0)
+    states = {"weights": b * P, "gradients": b * P, "AdamW moments (fp32)": 8 * P}
+    n = max(1, num_learners)
+    common = {"activations (one micro-batch)": activations, "chunked log-probs + head grad": logp}
+    ddp = {**states, "DDP gradient buckets": b * P if ddp_bucket_copy else 0, **common}
+    fsdp = {k: v / n for k, v in states.items()}
+    fsdp["FSDP unsharded working set"] = 2 * b * (2 * m.layer_params + m.embedding_params)
+    fsdp.update(common)
+    return {"ddp": ddp, "fsdp": fsdp}
+
+
+def largest_micro_batch(parts_for, limit: float, sequences: int) -> int:
+    """Largest micro_batch_size dividing `sequences` (equal micro-batches) whose total
+    fits `limit` bytes; 0 if none does."""
+    fitting = [m for m in range(1, sequences + 1) if sequences % m == 0 and sum(parts_for(m).values()) <= limit]
+    return max(fitting, default=0)
+
+
+def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_len: int | None = None) -> dict:
+    """Everything `m2po plan` prints, as data."""
+    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.m2po import M2PO
+
+    config = M2POConfig.from_yaml(config_path, overrides=overrides)
+    bundles = M2PO.default_resource_request(config).bundles  # validates the config
+    runners, learners = config.num_env_runners, config.num_learners
+    groups = {"main process": bundles[:1], "EnvRunners": bundles[1 : 1 + runners]}
+    groups["evaluation EnvRunners"] = bundles[1 + runners : len(bundles) - learners]
+    groups["learners"] = bundles[len(bundles) - learners :] if learners else []
+
+    model_config = dict(config.model_config or {})
+    dtype = model_config.get("dtype", "float32")
+    shape = model_shape(model_config["model"])
+    per_learner = config.minibatch_size_per_learner
+    micro = getattr(config, "micro_batch_size", None) or per_learner
+    chunk = getattr(config, "logp_chunk_size", None) or DEFAULT_LOGP_CHUNK
+    if not (isinstance(micro, int) and 1 <= micro <= per_learner):
+        raise ValueError(
+            f"`micro_batch_size` ({micro}) must be an int in [1, {per_learner}] (the sequences of one "
+            "learner's minibatch: minibatch_prompts x group_size / num_learners)"
+        )
+    max_model_len = (config.engine_kwargs or {}).get("max_model_len")
+    if prompt_len is None:
+        prompt_len = max_model_len - config.max_new_tokens if max_model_len else DEFAULT_PROMPT_LEN
+    seq_len = prompt_len + config.max_new_tokens
+    ddp_kwargs = getattr(config, "torch_ddp_kwargs", None) or {}
+
+    def parts_for(micro_batch: int):
+        return estimate_learner_memory(
+            shape, dtype_bytes=_DTYPE_BYTES[dtype], micro_batch_size=micro_batch, seq_len=seq_len,
+            chunk_size=chunk, gradient_checkpointing=bool(model_config.get("gradient_checkpointing")),
+            num_learners=learners, ddp_bucket_copy=not ddp_kwargs.get("gradient_as_bucket_view", False),
+        )
+
+    limit = HEADROOM * gpu_memory_gb * GiB
+    memory = parts_for(micro)
+    fits = {mode: sum(parts.values()) <= limit for mode, parts in memory.items()}
+    best = {mode: largest_micro_batch(lambda m, mode=mode: parts_for(m)[mode], limit, per_learner) for mode in memory}
+    return {
+        "config": config_path, "groups": groups, "bundles": bundles, "dtype": dtype, "model": shape,
+        "micro_batch_size": micro, "per_learner_sequences": per_learner, "logp_chunk_size": chunk,
+        "prompt_len": prompt_len, "seq_len": seq_len, "gradient_checkpointing": bool(model_config.get("gradient_checkpointing")),
+        "num_learners": learners, "gpu_memory_gb": gpu_memory_gb, "memory": memory, "fits": fits,
+        "largest_micro_batch": best, "engine_gpu_memory_utilization": (config.engine_kwargs or {}).get("gpu_memory_utilization"),
+        "rollout_engine": config.resolved_rollout_engine() if config.rollout_engine != "auto" else "auto",
+        "engine_dtype": (config.engine_kwargs or {}).get("dtype", dtype), "minibatch_sequences": config.minibatch_prompts * config.group_size,
+    }
+
+
+def _resources(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
+
+
+def recommendation(p: dict) -> str:
+    micro, best, n = p["micro_batch_size"], p["largest_micro_batch"], max(1, p["num_learners"])
+    if p["fits"]["ddp"]:
+        return f"fits as configured (DDP, micro_batch_size={micro})"
+    if best["ddp"]:
+        return f"set training.micro_batch_size={best['ddp']} (or lower); DDP then fits"
+    if best["fsdp"]:
+        keep = f"micro_batch_size={best['fsdp']}" if best["fsdp"] < micro else f"micro_batch_size={micro}"
+        return f"a full replica does not fit even at micro_batch_size=1: shard with FSDP over the {n} learners, {keep}"
+    tip = "" if p["gradient_checkpointing"] else "enable gradient_checkpointing, "
+    return f"does not fit even with FSDP at micro_batch_size=1: {tip}add learners, or use a larger device"
+
+
+def format_plan(p: dict) -> str:
+    m: ModelShape = p["model"]
+    lines = [f"m2po plan: {p['config']} (config valid)", "Ray resources (M2PO.default_resource_request):"]
+    for name, bundles in p["groups"].items():
+        if bundles:
+            lines.append(f"  {name:<22} {len(bundles):>3} x {_resources(bundles[0])}")
+    total_cpu = sum(b.get("CPU", 0) for b in p["bundles"])
+    runner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["EnvRunners"] + p["groups"]["evaluation EnvRunners"])
+    learner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["learners"] + p["groups"]["main process"])
+    lines.append(f"  total: {total_cpu:g} CPUs, {runner_gpus + learner_gpus:g} GPUs ({runner_gpus:g} EnvRunner GPUs + {learner_gpus:g} learner GPUs)")
+    lines += [
+        f"Model {m.name} ({m.model_type}): {m.num_params / 1e9:.2f} B parameters, {(m.num_params - m.embedding_params) / 1e9:.2f} B "
+        f"without embeddings ({'tied' if m.tied else 'untied'} head); {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
+        f"  config.json from {m.source}",
+        f"Learner: minibatch {p['minibatch_sequences']} sequences = {p['per_learner_sequences']} per learner x {max(1, p['num_learners'])}; "
+        f"micro_batch_size {p['micro_batch_size']}; sequences up to {p['seq_len']} tokens (prompt {p['prompt_len']} + response "
+        f"{p['seq_len'] - p['prompt_len']}); logp_chunk_size {p['logp_chunk_size']}; {p['dtype']}; gradient checkpointing "
+        f"{'on' if p['gradient_checkpointing'] else 'off'}",
+    ]
+    if m.max_positions and p["seq_len"] > m.max_positions:
+        lines.append(f"  warning: sequences of {p['seq_len']} tokens exceed the model's max_position_embeddings ({m.max_positions})")
+    n = max(1, p["num_learners"])
+    lines.append(f"Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
+    lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)':>17}")
+    keys = list(dict.fromkeys([*p["memory"]["ddp"], *p["memory"]["fsdp"]]))
+    for key in keys:
+        cells = [f"{p['memory'][mode][key] / GiB:.1f}" if key in p["memory"][mode] else "-" for mode in ("ddp", "fsdp")]
+        lines.append(f"  {key:<34} {cells[0]:>14} {cells[1]:>17}")
+    totals = {mode: sum(parts.values()) / GiB for mode, parts in p["memory"].items()}
+    lines.append(f"  {'total':<34} {totals['ddp']:>14.1f} {totals['fsdp']:>17.1f}")
+    usable = HEADROOM * p["gpu_memory_gb"]
+    verdict = ", ".join(f"{mode.upper()} {'fits' if p['fits'][mode] else 'does not fit'}" for mode in ("ddp", "fsdp"))
+    best = ", ".join(f"{mode.upper()} {p['largest_micro_batch'][mode] or 'none'}" for mode in ("ddp", "fsdp"))
+    lines += [
+        f"Device {p['gpu_memory_gb']:g} GiB (--gpu-memory-gb; {usable:.0f} usable): {verdict}; largest micro_batch_size dividing {p['per_learner_sequences']} that fits: {best}",
+        f"Recommendation: {recommendation(p)}",
+    ]
+    util = p["engine_gpu_memory_utilization"]
+    if p["rollout_engine"] == "vllm" and util:
+        weights = m.num_params * _DTYPE_BYTES.get(p["engine_dtype"], 2) / GiB
+        lines.append(f"EnvRunner GPU: vLLM takes {util:g} x {p['gpu_memory_gb']:g} = {util * p['gpu_memory_gb']:.0f} GiB; weights {weights:.1f} GiB, the rest KV cache")
+    return "\n".join(lines)
+
+
+def run_plan(config_path: str, gpu_memory_gb: float, overrides=None, prompt_len: int | None = None) -> int:
+    print(format_plan(plan(config_path, gpu_memory_gb, overrides=overrides, prompt_len=prompt_len)))
+    return 0

@@ -1,0 +1,185 @@
+"""Chunked log-probs (m2po_rllib/torch/logp.py) against the full-logits path of rl_module.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2po_rllib.models.tiny import tiny_qwen2_config
+from m2po_rllib.torch.logp import chunked_logp_entropy, response_logp
+from m2po_rllib.torch.rl_module import response_logp_and_entropy
+
+V, PAD = 211, 0
+PROMPT_LENS = (5, 3, 1)  # left-padded to P = 5
+RESPONSE_LENS = (7, 4, 2)  # right-padded to R = 7
+
+
+def tiny_model(tied: bool, dtype=torch.float32, seed: int = 0, vocab_size: int = V):
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_qwen2_config(vocab_size, hidden_size=64, intermediate_size=128, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(dtype)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+    return model
+
+
+def padded_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    P, R = max(PROMPT_LENS), max(RESPONSE_LENS)
+    ids = torch.randint(1, V, (len(PROMPT_LENS), P + R), generator=g)
+    attn = torch.zeros_like(ids)
+    response_mask = torch.zeros(len(PROMPT_LENS), R)
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        attn[i, P - p : P + r] = 1
+        response_mask[i, :r] = 1
+    ids = ids.masked_fill(attn == 0, PAD)
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": response_mask}
+
+
+def old_logp(model, batch, temperature, with_entropy=True):
+    return response_logp_and_entropy(
+        model, batch["input_ids"], batch["attention_mask"], batch["response_mask"].shape[1],
+        temperature=temperature, with_entropy=with_entropy,
+    )
+
+
+def pg_loss(logp, batch, seed: int = 1):
+    """A token-mean policy-gradient-like loss with random per-token weights."""
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"]
+    weights = torch.randn(mask.shape, generator=g)
+    return -(logp * weights * mask).sum() / mask.sum()
+
+
+def grads(model, logp_fn):
+    model.zero_grad(set_to_none=True)
+    logp, _ = logp_fn()
+    pg_loss(logp, padded_batch()).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in b)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])  # 21 positions: 4 does not divide them
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_full_logits_path(tied, chunk_size, temperature):
+    model = tiny_model(tied)
+    batch = padded_batch()
+    ref_logp, ref_ent = old_logp(model, batch, temperature)
+    logp, ent = response_logp(model, batch, temperature, chunk_size=chunk_size)
+    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == (3, 7)
+    torch.testing.assert_close(logp, ref_logp.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent.detach(), rtol=1e-6, atol=1e-6)
+    assert not ent.requires_grad  # a diagnostic: no gradient through the entropy
+
+    ref = grads(model, lambda: old_logp(model, batch, temperature, with_entropy=False))
+    new = grads(model, lambda: response_logp(model, batch, temperature, chunk_size, with_entropy=False))
+    assert set(new) == {n for n, _ in model.named_parameters()}
+    assert max_rel_diff(new, ref) < 1e-6
+    # the head's weight got the softmax gradient: a wrong chunked backward would not pass
+    assert ref["lm_head.weight" if not tied else "model.embed_tokens.weight"].abs().max() > 0
+
+
+def test_tied_head_weight_gets_both_gradients():
+    """With tied embeddings the one parameter collects the embedding's and the head's
+    gradient; dropping the head's part (e.g. by detaching the weight) would change it."""
+    model = tiny_model(tied=True)
+    batch = padded_batch()
+    ref = grads(model, lambda: old_logp(model, batch, 1.0))["model.embed_tokens.weight"]
+    new = grads(model, lambda: response_logp(model, batch, 1.0, 5))["model.embed_tokens.weight"]
+    assert ((new - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    # rows of tokens that never occur in the input get gradient only through the head
+    unused = torch.ones(V, dtype=torch.bool)
+    unused[batch["input_ids"].unique()] = False
+    assert new[unused].abs().max() > 0
+
+
+def test_bias_and_weight_inputs():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 9))
+    logp, ent = chunked_logp_entropy(hidden, head, targets, temperature=1.3, chunk_size=4)
+    ref_lp = (head(hidden) / 1.3).log_softmax(-1)
+    torch.testing.assert_close(logp, ref_lp.gather(-1, targets[..., None]).squeeze(-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, -(ref_lp.exp() * ref_lp).sum(-1), rtol=0, atol=1e-6)
+    g = torch.randn(2, 9)
+    ref_grads = torch.autograd.grad((ref_lp.gather(-1, targets[..., None]).squeeze(-1) * g).sum(), [hidden, head.weight, head.bias])
+    new_grads = torch.autograd.grad((logp * g).sum(), [hidden, head.weight, head.bias])
+    for a, b in zip(new_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the weight tensor with an explicit bias is the same computation
+    logp2, ent2 = chunked_logp_entropy(hidden, head.weight, targets, 1.3, 5, with_entropy=False, bias=head.bias)
+    torch.testing.assert_close(logp2, logp, rtol=0, atol=1e-6)
+    assert ent2 is None
+
+
+def test_bf16_close_to_fp32_and_to_the_bf16_full_logits_path():
+    batch = padded_batch()
+    fp32 = tiny_model(tied=True)
+    bf16 = tiny_model(tied=True, dtype=torch.bfloat16)
+    ref32, _ = response_logp(fp32, batch, 0.7, 4, with_entropy=False)
+    ref16, ent16_ref = old_logp(bf16, batch, 0.7)
+    logp16, ent16 = response_logp(bf16, batch, 0.7, 4)
+    assert logp16.dtype == torch.float32  # fp32 softmax on bf16 weights
+    valid = batch["response_mask"].bool()
+    # bf16 weights: ~3 significant digits per matmul; log-probs here are ~ -5.4
+    torch.testing.assert_close(logp16[valid], ref32[valid].detach(), rtol=0, atol=0.1)
+    torch.testing.assert_close(logp16, ref16.detach(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(ent16, ent16_ref.detach(), rtol=0, atol=2e-2)
+    ref = grads(bf16, lambda: old_logp(bf16, batch, 0.7, with_entropy=False))
+    new = grads(bf16, lambda: response_logp(bf16, batch, 0.7, 4, with_entropy=False))
+    assert all(g.dtype == torch.bfloat16 for g in new.values())
+    assert max_rel_diff(new, ref) < 3e-2
+
+
+def _largest_saved_non_parameter(model, fn) -> int:
+    """numel of the largest tensor autograd saves for backward, parameters excluded."""
+    params = {p.data_ptr() for p in model.parameters()}
+    largest = [0]
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            largest[0] = max(largest[0], t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return largest[0]
+
+
+def test_the_graph_saves_no_batch_by_vocab_tensor():
+    vocab = 4096  # large against the decoder's activations, as a real vocabulary is
+    model = tiny_model(tied=False, vocab_size=vocab)
+    batch = padded_batch()
+    B, R = batch["response_mask"].shape
+    full = B * R * vocab
+    old = _largest_saved_non_parameter(model, lambda: old_logp(model, batch, 0.7))
+    new = _largest_saved_non_parameter(model, lambda: response_logp(model, batch, 0.7, 4))
+    assert old >= full  # the full-logits path keeps (B, R, V) (and (B, P + R, V)) for backward
+    H, P = model.config.hidden_size, batch["input_ids"].shape[1] - R
+    # the decoder's own activations (B, P + R, intermediate) bound the new path; nothing scales with V
+    assert new <= B * (P + R) * max(H, model.config.intermediate_size) < full
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    model = tiny_model(tied=True)
+    batch = padded_batch()
+    model.train()
+    ref = grads(model, lambda: response_logp(model, batch, 1.0, 4, with_entropy=False))
+    model.gradient_checkpointing_enable()
+    new = grads(model, lambda: response_logp(model, batch, 1.0, 4, with_entropy=False))
+    assert max_rel_diff(new, ref) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5])
+def test_bad_chunk_size_is_rejected(bad):
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_logp_entropy(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk_size=bad)

@@ -122,10 +122,11 @@ def estimate_learner_memory(
     """Peak bytes per learner, by component, for "ddp" and "fsdp". An upper estimate: the
     components are added although some peak at different moments.
 
-    b = dtype_bytes, P = parameters, T = micro_batch_size x seq_len tokens, H, I, kv, V, L
-    as in `ModelShape`:
-      weights b P, gradients b P, AdamW moments 8 P (two float32 states);
-      DDP: + b P gradient buckets (DDP copies gradients unless gradient_as_bucket_view);
+    b = dtype_bytes (the compute dtype), P = parameters, T = micro_batch_size x seq_len
+    tokens, H, I, kv, V, L as in `ModelShape`:
+      float32 master weights 4 P, float32 gradients 4 P, AdamW moments 8 P (the learner
+        keeps all three in float32 whatever the compute dtype: `HFCausalLMModule`);
+      DDP: + 4 P gradient buckets (DDP copies gradients unless gradient_as_bucket_view);
       FSDP over n learners: (weights + gradients + moments) / n, plus the unsharded working
         set 2 b (2 layer_params + embedding_params) (a layer and its prefetched successor,
         the embedding/head, and their unsharded gradients);
@@ -143,10 +144,10 @@ def estimate_learner_memory(
     layers = T * (L * b * H + per_layer) if gradient_checkpointing else T * L * per_layer
     activations = layers + T * H * (4 + 3 * b)
     logp = 3 * chunk_size * V * 4 + 4 * V * H + (b * V * H if b != 4 else 0)
-    states = {"weights": b * P, "gradients": b * P, "AdamW moments (fp32)": 8 * P}
+    states = {"weights (fp32 master)": 4 * P, "gradients (fp32)": 4 * P, "AdamW moments (fp32)": 8 * P}
     n = max(1, num_learners)
     common = {"activations (one micro-batch)": activations, "chunked log-probs + head grad": logp}
-    ddp = {**states, "DDP gradient buckets": b * P if ddp_bucket_copy else 0, **common}
+    ddp = {**states, "DDP gradient buckets": 4 * P if ddp_bucket_copy else 0, **common}
     fsdp = {k: v / n for k, v in states.items()}
     fsdp["FSDP unsharded working set"] = 2 * b * (2 * m.layer_params + m.embedding_params)
     fsdp.update(common)
@@ -223,7 +224,11 @@ def recommendation(p: dict) -> str:
         return f"set training.micro_batch_size={best['ddp']} (or lower); DDP then fits"
     if best["fsdp"]:
         keep = f"micro_batch_size={best['fsdp']}" if best["fsdp"] < micro else f"micro_batch_size={micro}"
-        return f"a full replica does not fit even at micro_batch_size=1: shard with FSDP over the {n} learners, {keep}"
+        return (
+            f"a full replica does not fit even at micro_batch_size=1: it needs its weights sharded "
+            f"over the {n} learners (FSDP, {keep}), which this version of m2po-rllib does not "
+            "implement yet; use a larger device or a smaller model"
+        )
     tip = "" if p["gradient_checkpointing"] else "enable gradient_checkpointing, "
     return f"does not fit even with FSDP at micro_batch_size=1: {tip}add learners, or use a larger device"
 
@@ -251,7 +256,7 @@ def format_plan(p: dict) -> str:
         lines.append(f"  warning: sequences of {p['seq_len']} tokens exceed the model's max_position_embeddings ({m.max_positions})")
     n = max(1, p["num_learners"])
     lines.append(f"Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
-    lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)':>17}")
+    lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)*':>17}")
     keys = list(dict.fromkeys([*p["memory"]["ddp"], *p["memory"]["fsdp"]]))
     for key in keys:
         cells = [f"{p['memory'][mode][key] / GiB:.1f}" if key in p["memory"][mode] else "-" for mode in ("ddp", "fsdp")]
@@ -264,6 +269,7 @@ def format_plan(p: dict) -> str:
     lines += [
         f"Device {p['gpu_memory_gb']:g} GiB (--gpu-memory-gb; {usable:.0f} usable): {verdict}; largest micro_batch_size dividing {p['per_learner_sequences']} that fits: {best}",
         f"Recommendation: {recommendation(p)}",
+        "  * FSDP is estimated for planning; the learner runs DDP replicas (FSDP is not implemented yet)",
     ]
     util = p["engine_gpu_memory_utilization"]
     if p["rollout_engine"] == "vllm" and util:

@@ -158,3 +158,26 @@ def test_two_gloo_learners_micro_batched_equal_one_learner_unsplit(ray_session, 
     assert two["policy/micro_batches"] == 2  # 4 sequences per learner, 2 per micro-batch
     _assert_same_gradient(grads[1][0], grads[0][0])
     _assert_same_gradient(grads[1][1], grads[0][0])  # DDP: both ranks hold the global gradient
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir):
+    """dtype=bfloat16 is the compute dtype: parameters, gradients and AdamW's moments stay
+    float32, so updates of lr 1e-6 (the paper's) are not rounded away as bf16 weights
+    would round them."""
+    cfg = _config(tiny_model_dir, lr=1e-6).rl_module(model_config={"model": tiny_model_dir, "dtype": "bfloat16"})
+    learner = _learner(cfg)
+    model = learner.module["default_policy"].unwrapped().model
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads, _ = _update_grads(learner, _batch(tiny_model_dir))
+    assert {g.dtype for g in grads.values()} == {torch.float32}
+    changed = sum(int((p != before[n]).sum()) for n, p in model.named_parameters() if n in grads)
+    total = sum(int((grads[n] != 0).sum()) for n in grads)
+    assert changed >= 0.99 * total  # every weight with a gradient moved
+    # the log-probs were computed in bf16: close to, not equal to, the float32 ones
+    train = _batch(tiny_model_dir)
+    fp32 = _learner(_config(tiny_model_dir)).response_logp(train)
+    bf16 = _learner(cfg).response_logp(train)
+    mask = train["response_mask"] > 0
+    diff = np.abs(bf16 - fp32)[mask]
+    assert 0 < diff.max() < 0.1

@@ -51,20 +51,21 @@ def test_parameter_counts_match_the_published_sizes(plans):
 
 def test_memory_estimate_equals_the_hand_computation(plans):
     p = plans[QWEN25]
-    # bf16 (b = 2), 64 sequences per learner in one micro-batch, 1024 + 3072 tokens,
-    # gradient checkpointing, chunk 256, 8 learners
+    # bf16 compute (b = 2) on float32 master weights, gradients and moments; 64 sequences
+    # per learner in one micro-batch, 1024 + 3072 tokens, gradient checkpointing, chunk 256,
+    # 8 learners
     b, P, T = 2, 7_615_616_512, 64 * 4096
     H, I, kv, V, L = 3584, 18944, 4 * 128, 152064, 28
     layer_params = (H * H + H) + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H  # q, k, v (biases), o, MLP, norms
     per_layer_activations = b * (6 * H + 2 * kv + 4 * I) + 8 * H
     activations = T * (L * b * H + per_layer_activations) + T * H * (4 + 3 * b)
     logp = 3 * 256 * V * 4 + 4 * V * H + b * V * H
-    ddp = b * P + b * P + 8 * P + b * P + activations + logp
-    fsdp = (b * P + b * P + 8 * P) / 8 + 2 * b * (2 * layer_params + 2 * V * H) + activations + logp
+    ddp = 4 * P + 4 * P + 8 * P + 4 * P + activations + logp
+    fsdp = (4 * P + 4 * P + 8 * P) / 8 + 2 * b * (2 * layer_params + 2 * V * H) + activations + logp
     assert sum(p["memory"]["ddp"].values()) == ddp
     assert sum(p["memory"]["fsdp"].values()) == pytest.approx(fsdp, rel=1e-12)
-    # 7B weights + grads + fp32 AdamW moments alone are > 80 GB: no full replica fits
-    assert (b * P + b * P + 8 * P) > 80e9
+    # 7B fp32 weights + grads + AdamW moments alone are > 80 GB: no full replica fits
+    assert (4 * P + 4 * P + 8 * P) > 80e9
     assert p["largest_micro_batch"]["ddp"] == 0 and not p["fits"]["ddp"]
 
 

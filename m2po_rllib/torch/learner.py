@@ -143,9 +143,10 @@ class M2POTorchLearner(TorchLearner):
         if self.config.num_learners > 0:
             use_cpus(self.config.num_cpus_per_learner)  # a learner actor: its own CPUs
         super().build()
-        # Log-probs are those of the distribution the runners sample from.
         for module_id in self.module.keys():
-            self.module[module_id].unwrapped().temperature = float(self.config.temperature)
+            module = self.module[module_id].unwrapped()
+            module.temperature = float(self.config.temperature)  # that of the runners' sampling
+            module.logp_chunk_size = int(self.config.logp_chunk_size)
         self._grads_finite: dict[str, bool] = {}
 
     @property

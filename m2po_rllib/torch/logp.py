@@ -207,12 +207,16 @@ def response_logp(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(logp, entropy)`, (B, R) float32, of a batch's response tokens under `model`.
 
     `batch` holds `input_ids`, `attention_mask` (B, P + R) and `response_mask` (B, R), the
     layout of `HFCausalLMModule`. Same values as the full-logits path
     (`rl_module.response_logp_and_entropy`), with memory bounded by `chunk_size`.
+    `compute_dtype` (e.g. bfloat16) runs the decoder under autocast and the head's matmuls
+    in that dtype while the parameters (and their gradients, and AdamW's state) stay in
+    their own dtype, float32 master weights; the softmax is float32 either way.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -228,6 +232,12 @@ def response_logp(
             )
     input_ids = batch["input_ids"]
     response_len = batch["response_mask"].shape[1]
-    hidden = response_hidden_states(model, input_ids, batch["attention_mask"], response_len)
+    dtype = compute_dtype or head.weight.dtype
+    mixed = dtype != head.weight.dtype
+    with torch.autocast(device_type=input_ids.device.type, dtype=dtype, enabled=mixed):
+        hidden = response_hidden_states(model, input_ids, batch["attention_mask"], response_len)
     targets = input_ids[:, input_ids.shape[1] - response_len :]  # (B, R)
-    return chunked_logp_entropy(hidden, head, targets, temperature, chunk_size, with_entropy)
+    # the casts are autograd ops: the head's gradient reaches the master weights
+    weight = head.weight.to(dtype)
+    bias = None if head.bias is None else head.bias.to(dtype)
+    return chunked_logp_entropy(hidden.to(dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias)

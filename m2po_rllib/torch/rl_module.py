@@ -18,10 +18,14 @@ import torch
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 
+from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
+from m2po_rllib.torch.logp import response_logp as chunked_response_logp
+
 LOGP = "logp"
 ENTROPY = "entropy"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp16 would need a gradient scaler; bf16 has float32's range.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def response_logp_and_entropy(
@@ -32,7 +36,9 @@ def response_logp_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob (and entropy) of each response token under `model`.
+    """Log-prob (and entropy) of each response token under `model`, from the full logits
+    (B, P + R, V): the plainly written reference that `m2po_rllib.torch.logp` (what the
+    module uses) is tested against, and the old path of `bench/bench_learner_memory.py`.
 
     Logits are divided by `temperature` before the softmax: the log-probs are those of
     the distribution the rollout engine sampled from (as verl computes them).
@@ -61,9 +67,12 @@ class HFCausalLMModule(TorchRLModule):
 
     `model_config` keys:
         model: HF directory, hub name, or a built-in name such as `builtin:arith-tiny`.
-        dtype: "float32" (default) | "bfloat16" | "float16".
-        temperature: sampling temperature of the rollouts (log-probs are computed for it).
+        dtype: the compute dtype, "float32" (default) or "bfloat16": the weights, their
+            gradients and AdamW's moments stay float32 (master weights; bf16 weights would
+            round away updates of lr ~1e-6), and the forward/backward run under autocast.
         gradient_checkpointing: trade compute for memory on long responses.
+    The learner sets `temperature` (that of the rollouts: log-probs are computed for it)
+    and `logp_chunk_size` (response positions per chunk of the log-prob computation).
     """
 
     @override(TorchRLModule)
@@ -82,22 +91,21 @@ class HFCausalLMModule(TorchRLModule):
         if dtype not in _DTYPES:
             raise ValueError(f"model_config['dtype']={dtype!r}; use one of {sorted(_DTYPES)}")
         self.model_path = resolve_model_path(cfg["model"])
-        self.temperature = float(cfg.get("temperature", 1.0))
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[dtype])
+        self.compute_dtype = _DTYPES[dtype]
+        self.temperature = 1.0
+        self.logp_chunk_size = DEFAULT_CHUNK_SIZE
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if cfg.get("gradient_checkpointing"):
             self.model.gradient_checkpointing_enable()
         # Optimizer updates applied to these weights: the version rollouts are tagged with.
         self.policy_version = 0
 
     def response_logp(self, batch: dict[str, Any], with_entropy: bool = True):
-        """`(logp, entropy)` of the batch's response tokens, each `(B, R)`."""
-        return response_logp_and_entropy(
-            self.model,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["response_mask"].shape[1],
-            temperature=self.temperature,
-            with_entropy=with_entropy,
+        """`(logp, entropy)` of the batch's response tokens, each `(B, R)` float32, with
+        memory bounded by `logp_chunk_size` (`m2po_rllib.torch.logp`)."""
+        return chunked_response_logp(
+            self.model, batch, temperature=self.temperature, chunk_size=self.logp_chunk_size,
+            with_entropy=with_entropy, compute_dtype=self.compute_dtype,
         )
 
     @override(TorchRLModule)

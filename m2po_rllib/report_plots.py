@@ -65,13 +65,24 @@ def _label(v: Variant, variants: list[Variant]) -> str:
     return v.label(("policy_loss", *varying))
 
 
-def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: str, *, smooth=1, logy=False, pct=False):
-    """One panel per staleness level; `fields` = [(field, linestyle)] drawn per variant."""
+# legend names of the plotted fields
+NAMES = {
+    "masked_frac": "masked", "clipped_frac": "clipped", "entropy_all": "all tokens",
+    "entropy_masked": "masked tokens", "entropy_clipped": "clipped tokens", "m2_before": "before mask",
+    "m2_after": "after mask",
+}
+
+
+def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: str, *, smooth=1, logy=False, pct=False,
+                   refs=()):
+    """One panel per staleness level; `fields` = [(field, linestyle)] drawn per variant; one
+    legend for the figure (a variant has one colour in every panel)."""
     plt = _plt()
     levels, panels = _panels(variants)
     colors = _colors(variants)
-    fig, axes = plt.subplots(1, len(levels), figsize=(4.6 * len(levels), 3.6), sharey=True, squeeze=False)
-    drawn = False
+    fig, axes = plt.subplots(1, len(levels), figsize=(3.6 * len(levels) + 3.2, 3.6), sharey=True, squeeze=False,
+                             layout="constrained")
+    legend: dict[str, object] = {}
     for ax, lvl in zip(axes[0], levels):
         for v in panels[lvl]:
             for f, style in fields:
@@ -79,34 +90,34 @@ def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: s
                 if not len(xs):
                     continue
                 scale = 100.0 if pct else 1.0
-                label = _label(v, variants) + ("" if len(fields) == 1 else f" ({f})")
+                label = _label(v, variants) + ("" if len(fields) == 1 else f": {NAMES.get(f, f)}")
                 kw = {"drawstyle": "steps-post"} if f == HELDOUT_ACCURACY else {}
-                ax.plot(xs, mean * scale, style, color=colors[_family(v)], label=label, lw=1.5, **kw)
+                (line,) = ax.plot(xs, mean * scale, style, color=colors[_family(v)], lw=1.5, **kw)
                 ax.fill_between(xs, (mean - std) * scale, (mean + std) * scale, color=colors[_family(v)],
                                 alpha=0.15, lw=0, **({"step": "post"} if kw else {}))
-                drawn = True
+                legend.setdefault(label, line)
         mode = "<=" if panels[lvl][0].key[1] == "async" else ""
-        ax.set_title(f"staleness {mode}{lvl}")
+        for y in refs:  # e.g. tau on the M2 plot
+            legend.setdefault(f"tau = {y:g}", ax.axhline(y, color="gray", ls=":", lw=1))
+        ax.set_title(f"staleness {mode}{lvl}", fontsize=10)
         ax.set_xlabel("optimizer updates")
         ax.grid(alpha=0.3)
         if logy:
             ax.set_yscale("log")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     path = out / f"{name}.png"
-    if drawn:
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="outside right center", fontsize=7)
         fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path if drawn else None
+    return path if legend else None
 
 
 def _final_vs_staleness(variants: list[Variant], out: Path):
     plt = _plt()
     colors = _colors(variants)
-    fig, ax = plt.subplots(figsize=(5.2, 3.8))
+    fig, ax = plt.subplots(figsize=(6.8, 3.8), layout="constrained")
     for family in colors:
         members = sorted((v for v in variants if _family(v) == family), key=lambda v: v.key[2])
         points = [(v.key[2], mean_std([r.final for r in v.runs if r.final is not None])) for v in members]
@@ -116,10 +127,9 @@ def _final_vs_staleness(variants: list[Variant], out: Path):
             ax.errorbar(x, m, yerr=s, marker="o", capsize=3, color=colors[family], label=_label(members[0], variants))
     ax.set_xlabel("staleness (optimizer updates)")
     ax.set_ylabel("final held-out accuracy")
-    ax.set_title("final held-out accuracy vs staleness (mean ± std over seeds)", fontsize=10)
+    ax.set_title("final held-out accuracy vs staleness\n(mean ± std over seeds)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(loc="outside right center", fontsize=7)
     path = out / "final_vs_staleness.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -133,17 +143,17 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
     avg = f" (moving average over {smooth} iterations)" if smooth > 1 else ""
     paths = [
         _per_staleness(variants, out, "heldout_accuracy", [(HELDOUT_ACCURACY, "-")], "held-out accuracy",
-                       "held-out greedy accuracy vs optimizer updates (mean ± std over seeds)"),
+                       "held-out greedy accuracy (mean ± std over seeds)"),
         _final_vs_staleness(variants, out),
         _per_staleness(variants, out, "token_fraction", [("masked_frac", "-"), ("clipped_frac", "--")],
-                       "tokens (%)", "M2PO masked (solid) vs clipped (dashed) token fraction" + avg,
+                       "tokens (%)", "masked (M2PO) vs clipped tokens" + avg,
                        smooth=smooth, pct=True),
         _per_staleness(variants, out, "entropy", [("entropy_all", "-"), ("entropy_masked", "--"),
                                                   ("entropy_clipped", ":")],
-                       "entropy (nats)", "entropy: all tokens (solid), masked (dashed), clipped (dotted)" + avg,
+                       "entropy (nats)", "entropy of all vs masked / clipped tokens" + avg,
                        smooth=smooth),
         _per_staleness(variants, out, "m2", [("m2_before", "-"), ("m2_after", "--")], "M2",
-                       "M2 of the log-ratios before (solid) and after (dashed) the mask" + avg,
-                       smooth=smooth, logy=True),
+                       "M2 (mean squared log-ratio) before and after the mask" + avg,
+                       smooth=smooth, logy=True, refs=sorted({v.key[3] for v in variants if v.key[3] is not None})),
     ]
     return [p for p in paths if p is not None]

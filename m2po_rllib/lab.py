@@ -273,7 +273,7 @@ def run_lab(
     # Tune's legacy reporter: one compact status table (the default prints every trial's config)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     reporter = tune.CLIReporter(
-        metric_columns={HELDOUT_ACCURACY: "held-out", "policy_version": "updates", "staleness/mean": "staleness"},
+        metric_columns={HELDOUT_ACCURACY: "held-out", "policy_version": "updates", "staleness/mean": "stale (mean)"},
         parameter_columns=sorted({k for p in points for k in p}), max_report_frequency=30,
     )
     tuner = tune.Tuner(

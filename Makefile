@@ -3,9 +3,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.m2po-installed
 CONFIG ?= configs/default.yaml
+SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train lab test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -16,6 +17,11 @@ $(STAMP): pyproject.toml constraints/cpu.txt constraints/gpu.txt scripts/setup_e
 
 train: setup
 	$(VENV)/bin/m2po train --config $(CONFIG) $(ARGS)
+
+# The staleness lab: a Ray Tune search over loss x staleness (x tau x lr) x seeds, then its
+# report (table + plots) in the experiment directory. `make lab ARGS="--out runs/lab/a"`.
+lab: setup
+	$(VENV)/bin/m2po lab --space $(SPACE) $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

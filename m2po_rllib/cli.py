@@ -1,10 +1,12 @@
-"""The `m2po` command line: train, eval, export.
+"""The `m2po` command line: train, eval, export, lab, report.
 
     m2po train [--config configs/default.yaml] [--stop-iters N] [--output DIR] [section.key=value ...]
     m2po train --resume DIR
     m2po eval  --checkpoint DIR | --model builtin:arith-tiny  [--split heldout] [--samples k]
     m2po export --checkpoint DIR --out HF_DIR
     m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80]
+    m2po lab    [--space tune/spaces/cpu.yaml] [--out DIR] [--max-concurrent N] [--dry-run]
+    m2po report DIR [DIR ...] [--out OUT]
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=None, help="longest prompt (default: max_model_len - max_new_tokens)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.micro_batch_size=4")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("lab", help="the staleness lab: a Ray Tune search from a space file, then its report")
+    p.add_argument("--space", default="tune/spaces/cpu.yaml", help="search space (default: tune/spaces/cpu.yaml)")
+    p.add_argument("--out", default=None, help="experiment directory (default: runs/lab/<name>-<time>)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="trials at a time (default: what fits)")
+    p.add_argument("--dry-run", action="store_true", help="validate every trial and print the plan; run nothing")
+    p.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p.add_argument("overrides", nargs="*", help="section.key=value for every trial")
+    p.set_defaults(func=_cmd_lab)
+
+    p = sub.add_parser("report", help="table and plots over run directories or a Tune experiment")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="`m2po train` run dirs or a `m2po lab` experiment")
+    p.add_argument("--out", default=None, help="output directory (default: the first DIR/report)")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 
@@ -108,6 +124,23 @@ def _cmd_plan(args) -> int:
     from m2po_rllib.plan import run_plan
 
     return run_plan(args.config, args.gpu_memory_gb, overrides=args.overrides, prompt_len=args.prompt_len)
+
+
+def _cmd_lab(args) -> int:
+    from m2po_rllib.lab import dry_run, run_lab
+
+    if args.dry_run:
+        return dry_run(args.space, overrides=args.overrides)
+    return run_lab(
+        args.space, out=args.out, max_concurrent=args.max_concurrent, overrides=args.overrides,
+        report=not args.no_report,
+    )
+
+
+def _cmd_report(args) -> int:
+    from m2po_rllib.report import run_report
+
+    return run_report(args.dirs, out=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

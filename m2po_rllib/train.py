@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from m2po_rllib.metrics import history_record
+
 # Keys shown on the progress line and in the summary.
 EVAL_ACC = ("evaluation", "env_runners", "eval/accuracy")
 REWARD = ("env_runners", "rollout/reward_mean")
@@ -183,23 +185,7 @@ def run_training(
             scalars = _flatten(result)
             for key, value in scalars.items():
                 tb.add_scalar(key, value, it)
-            history.append(
-                {
-                    "iteration": it,
-                    "time_s": elapsed_before + time.perf_counter() - t_start,
-                    "reward": _get(result, REWARD),
-                    "train_accuracy": _get(result, TRAIN_ACC),
-                    "heldout_accuracy": _get(result, EVAL_ACC),
-                    "policy_version": result.get("policy_version"),
-                    "staleness_mean": result.get("staleness/mean"),
-                    "masked_frac": _get(result, MASKED),
-                    "clipped_frac": next(
-                        (v for k in CLIPPED_KEYS if (v := _get(result, ("learners", "default_policy", k))) is not None),
-                        None,
-                    ),
-                    "tokens_per_s": _get(result, TOKENS_PER_S),
-                }
-            )
+            history.append(history_record(result, it, elapsed_before + time.perf_counter() - t_start))
             line = _progress_line(result, last_eval)
             if bar is not None:
                 bar.set_postfix(line, refresh=False)

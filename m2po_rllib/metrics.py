@@ -1,0 +1,93 @@
+"""The result keys the staleness lab reads, and the per-iteration history record built from
+them: one table shared by `m2po train` (history.json), the collapse stopper and `m2po report`.
+
+A result is RLlib's nested training result (`Algorithm.train()`, Tune's result.json) or its
+flattened form (Tune's progress.csv: `learners/default_policy/m2po/masked_frac`); `lookup`
+reads both. No Ray import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Held-out greedy accuracy: the algorithm's top-level key (carried between evaluations),
+# else the evaluation result RLlib carries between evaluation iterations.
+HELDOUT_ACCURACY = "heldout_accuracy"
+EVAL_ACCURACY = ("evaluation", "env_runners", "eval/accuracy")
+POLICY_VERSION = ("policy_version",)  # optimizer updates so far
+LEARNER = ("learners", "default_policy")
+
+# history field -> result path
+FIELDS: dict[str, tuple[str, ...]] = {
+    "reward": ("env_runners", "rollout/reward_mean"),
+    "train_accuracy": ("env_runners", "rollout/accuracy"),
+    "tokens_per_s": ("env_runners", "rollout/tokens_per_s"),
+    "staleness_mean": ("staleness/mean",),
+    "staleness_max": ("staleness/max",),
+    "trained_staleness_max": LEARNER + ("staleness/trained_max",),
+    "logp_mismatch_max": ("rollout/logp_mismatch_max",),
+    "masked_frac": LEARNER + ("m2po/masked_frac",),
+    "m2_before": LEARNER + ("m2po/m2_before",),
+    "m2_after": LEARNER + ("m2po/m2_after",),
+    "entropy_all": LEARNER + ("m2po/entropy_all",),
+    "entropy_masked": LEARNER + ("m2po/entropy_masked",),
+    "log_ratio_abs_max": LEARNER + ("policy/log_ratio_abs_max",),
+    "loss": LEARNER + ("policy/loss",),
+}
+# One of these per clip loss (grpo, gspo, m2po_official).
+CLIPPED_FRAC = tuple(LEARNER + (f"{f}/clipped_frac",) for f in ("grpo", "gspo", "m2po"))
+ENTROPY_CLIPPED = tuple(LEARNER + (f"{f}/entropy_clipped",) for f in ("grpo", "gspo", "m2po"))
+
+# Every field of a history record, in order.
+RECORD_FIELDS = (
+    "iteration", "time_s", HELDOUT_ACCURACY, "policy_version", *FIELDS, "clipped_frac", "entropy_clipped",
+)
+
+
+def lookup(result: dict, path: tuple[str, ...] | str) -> float | None:
+    """result[path[0]][path[1]]..., or the flattened result["a/b/c"]; None when missing or
+    NaN (RLlib reports NaN for a mean over nothing, e.g. the entropy of zero masked tokens)."""
+    if isinstance(path, str):
+        path = (path,)
+    node: Any = result
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            node = result.get("/".join(path)) if isinstance(result, dict) else None
+            break
+        node = node[key]
+    if isinstance(node, str):
+        try:
+            node = float(node)
+        except ValueError:
+            return None
+    if isinstance(node, bool) or not isinstance(node, (int, float)):
+        return None
+    return None if math.isnan(node) else node
+
+
+def first(result: dict, paths) -> float | None:
+    """The first of `paths` that the result holds (the clip losses' keys are exclusive)."""
+    return next((v for p in paths if (v := lookup(result, p)) is not None), None)
+
+
+def heldout_accuracy(result: dict) -> float | None:
+    value = lookup(result, HELDOUT_ACCURACY)
+    return value if value is not None else lookup(result, EVAL_ACCURACY)
+
+
+def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any]:
+    """One history.json entry for a training result: every field of `RECORD_FIELDS`, None
+    where this result has no value (e.g. `masked_frac` for GRPO, anything while the stale
+    queue fills)."""
+    version = lookup(result, POLICY_VERSION)
+    record: dict[str, Any] = {
+        "iteration": int(iteration),
+        "time_s": float(time_s),
+        HELDOUT_ACCURACY: heldout_accuracy(result),
+        "policy_version": None if version is None else int(version),
+    }
+    record.update({name: lookup(result, path) for name, path in FIELDS.items()})
+    record["clipped_frac"] = first(result, CLIPPED_FRAC)
+    record["entropy_clipped"] = first(result, ENTROPY_CLIPPED)
+    return record

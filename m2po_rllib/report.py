@@ -1,0 +1,254 @@
+"""`m2po report DIR [DIR ...] [--out OUT]`: a markdown table and PNG plots over `m2po train`
+run directories and Tune experiments (`m2po lab`), with runs grouped into variants (loss,
+staleness, tau, lr) and seeds pooled.
+
+Run directories are found up to three levels below each DIR: a `m2po train` run holds
+history.json + run.json (+ summary.json); a Tune trial holds params.json + result.json (or
+progress.csv). Both become the same history records (`m2po_rllib.metrics.history_record`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from m2po_rllib.metrics import HELDOUT_ACCURACY, history_record
+
+SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed")
+
+
+@dataclass
+class Run:
+    path: Path
+    settings: dict[str, Any]
+    history: list[dict[str, Any]]
+    note: str = ""  # why it ended early (collapse, scheduler, interrupt)
+
+    def values(self, name: str) -> list[float]:
+        return [h[name] for h in self.history if h.get(name) is not None]
+
+    @property
+    def final(self) -> float | None:
+        acc = self.values(HELDOUT_ACCURACY)
+        return acc[-1] if acc else None
+
+    @property
+    def best(self) -> float | None:
+        acc = self.values(HELDOUT_ACCURACY)
+        return max(acc) if acc else None
+
+
+@dataclass
+class Variant:
+    key: tuple
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(zip(("policy_loss", "mode", "staleness", "m2_threshold", "lr"), self.key))
+
+    def label(self, columns=("policy_loss", "staleness", "m2_threshold", "lr")) -> str:
+        s = self.settings
+        parts = {
+            "policy_loss": s["policy_loss"],
+            "staleness": f"stale {'<=' if s['mode'] == 'async' else ''}{s['staleness']}",
+            "m2_threshold": f"tau {s['m2_threshold']:g}" if s["m2_threshold"] is not None else None,
+            "lr": f"lr {s['lr']:g}",
+        }
+        return ", ".join(parts[c] for c in columns if parts.get(c))
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1; None for one run)."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+# -- reading runs --------------------------------------------------------------------------
+def _train_run(path: Path) -> Run:
+    from m2po_rllib.config_io import config_from_spec
+
+    meta = json.loads((path / "run.json").read_text())
+    cfg = config_from_spec({k: v for k, v in meta["spec"].items() if k != "run"})
+    settings = {k: getattr(cfg, k, None) for k in SETTINGS}
+    history = json.loads((path / "history.json").read_text())
+    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+    return Run(path, settings, history, "interrupted" if summary.get("interrupted") else "")
+
+
+def _trial_results(path: Path) -> list[dict]:
+    if (path / "result.json").exists():
+        lines = (path / "result.json").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    with open(path / "progress.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _tune_trial(path: Path) -> Run:
+    from m2po_rllib.collapse import COLLAPSE_FILE, COLLAPSE_REASON
+
+    params = json.loads((path / "params.json").read_text())
+    settings = {k: params.get(k) for k in SETTINGS}
+    results = _trial_results(path)
+    history = [
+        history_record(r, int(float(r["training_iteration"])), float(r.get("time_total_s") or 0.0))
+        for r in results
+        if r.get("training_iteration") not in (None, "")
+    ]
+    note = next((r[COLLAPSE_REASON] for r in results if r.get(COLLAPSE_REASON)), "")
+    if not note and (path / COLLAPSE_FILE).exists():
+        note = json.loads((path / COLLAPSE_FILE).read_text()).get("reason", "")
+    if (path / "error.txt").exists():
+        note = (note + "; " if note else "") + "failed (error.txt)"
+    return Run(path, settings, history, f"collapsed: {note}" if note and "failed" not in note else note)
+
+
+def _is_train_run(d: Path) -> bool:
+    return (d / "history.json").exists() and (d / "run.json").exists()
+
+
+def _is_trial(d: Path) -> bool:
+    return (d / "params.json").exists() and ((d / "result.json").exists() or (d / "progress.csv").exists())
+
+
+def find_runs(dirs: list[str], depth: int = 3) -> list[Run]:
+    """Every run directory at or below `dirs`; ValueError when there is none."""
+    found: list[Run] = []
+
+    def walk(d: Path, level: int):
+        if _is_train_run(d):
+            found.append(_train_run(d))
+        elif _is_trial(d):
+            found.append(_tune_trial(d))
+        elif level < depth:
+            for child in sorted(p for p in d.iterdir() if p.is_dir() and p.name != "checkpoint"):
+                walk(child, level + 1)
+
+    for name in dirs:
+        d = Path(name)
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} is not a directory")
+        walk(d, 0)
+    runs = [r for r in found if r.history]
+    if not runs:
+        raise ValueError(
+            f"no runs found in {', '.join(dirs)}: `m2po report` reads `m2po train` run directories "
+            "(history.json + run.json) and Tune experiments of `m2po lab` (trial dirs with params.json + result.json)"
+        )
+    return runs
+
+
+def group_variants(runs: list[Run]) -> list[Variant]:
+    """Runs that differ only in their seed form a variant. tau belongs to the key only for
+    the losses that take it (m2po, m2po_official)."""
+    from m2po_rllib.losses import policy_loss_params
+
+    variants: dict[tuple, Variant] = {}
+    for run in runs:
+        s = run.settings
+        loss = s.get("policy_loss") or "?"
+        takes_tau = loss != "?" and "m2_threshold" in policy_loss_params(loss)
+        mode = "async" if s.get("async_rollouts") else "stale-k"
+        staleness = s.get("max_staleness") if mode == "async" else s.get("staleness")
+        key = (loss, mode, int(staleness or 0), s.get("m2_threshold") if takes_tau else None, s.get("lr"))
+        variants.setdefault(key, Variant(key)).runs.append(run)
+    return sorted(variants.values(), key=lambda v: tuple((x is None, x) for x in v.key))
+
+
+# -- the table -----------------------------------------------------------------------------
+def token_fraction(run: Run) -> tuple[str, float] | None:
+    """("masked", mean masked fraction) for M2PO, ("clipped", ...) for the clip losses."""
+    for kind in ("masked", "clipped"):
+        values = run.values(f"{kind}_frac")
+        if values:
+            return kind, statistics.fmean(values)
+    return None
+
+
+def summarize(variant: Variant) -> dict[str, Any]:
+    runs = variant.runs
+    final = [r.final for r in runs if r.final is not None]
+    best = [r.best for r in runs if r.best is not None]
+    fractions = [f for r in runs if (f := token_fraction(r))]
+    updates = [r.values("policy_version")[-1] for r in runs if r.values("policy_version")]
+    times = [r.history[-1]["time_s"] for r in runs]
+    return {
+        "variant": variant.label(),
+        **variant.settings,
+        "seeds": sorted({r.settings.get("seed") for r in runs}, key=lambda s: (s is None, s)),
+        "runs": [str(r.path) for r in runs],
+        "final_mean": mean_std(final)[0], "final_std": mean_std(final)[1],
+        "best_mean": mean_std(best)[0], "best_std": mean_std(best)[1],
+        "token_kind": fractions[0][0] if fractions else None,
+        "token_frac_mean": statistics.fmean(f for _, f in fractions) if fractions else None,
+        "updates": [min(updates), max(updates)] if updates else None,
+        "time_s_mean": statistics.fmean(times),
+        "notes": sorted({f"{r.path.name}: {r.note}" for r in runs if r.note}),
+    }
+
+
+def _pm(mean, std) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f} ± {std:.3f}" if std is not None else f"{mean:.3f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = "| variant | seeds | final held-out | best held-out | masked / clipped tokens | updates | time |"
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        frac = f"{r['token_kind']} {100 * r['token_frac_mean']:.2f}%" if r["token_kind"] else "-"
+        lo, hi = r["updates"] or (None, None)
+        updates = "-" if lo is None else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+        seeds = f"{len(r['runs'])} ({', '.join(str(s) for s in r['seeds'])})"
+        t = r["time_s_mean"]
+        time_s = f"{t / 60:.1f} min" if t >= 60 else f"{t:.0f} s"
+        lines.append(
+            f"| {r['variant']} | {seeds} | {_pm(r['final_mean'], r['final_std'])} | "
+            f"{_pm(r['best_mean'], r['best_std'])} | {frac} | {updates} | {time_s} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(dirs: list[str], out: str | None = None) -> Path:
+    """report.md, report.json and the PNGs into `out` (default: the first DIR/report)."""
+    from m2po_rllib.report_plots import plot_all
+
+    runs = find_runs(dirs)
+    variants = group_variants(runs)
+    rows = [summarize(v) for v in variants]
+    out_dir = Path(out or Path(dirs[0]) / "report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = plot_all(variants, out_dir)
+    notes = [n for r in rows for n in r["notes"]]
+    md = [
+        "# M2PO staleness lab report",
+        "",
+        f"{len(runs)} runs in {len(variants)} variants from {', '.join(str(Path(d).resolve()) for d in dirs)}.",
+        "Held-out accuracy is greedy accuracy on the held-out problems, the last evaluation of each run "
+        "(final) and its best evaluation (best), as mean ± sample std over seeds; masked / clipped tokens "
+        "is the mean over training of M2PO's masked fraction or the clip losses' clipped fraction; "
+        "updates are optimizer updates; time is wall-clock training time.",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if notes:
+        md += ["Runs that ended early:", "", *[f"- {n}" for n in notes], ""]
+    md += [f"![{p.stem}]({p.name})" for p in figures]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    (out_dir / "report.json").write_text(json.dumps(rows, indent=1, default=str))
+    return path
+
+
+def run_report(dirs: list[str], out: str | None = None) -> int:
+    path = write_report(dirs, out)
+    print(path.read_text().split("\n\n![", 1)[0])
+    print(f"\nreport written to {path}")
+    return 0

@@ -1,0 +1,159 @@
+"""The figures of `m2po report` (matplotlib, Agg backend): one panel per staleness level,
+one colour per variant, mean over seeds with a +-1 std band, optimizer updates on x.
+
+- heldout_accuracy.png: held-out accuracy vs optimizer updates
+- final_vs_staleness.png: final held-out accuracy vs staleness, one line per loss (and tau, lr)
+- token_fraction.png: M2PO's masked vs the clip losses' clipped token fraction
+- entropy.png: entropy of masked / clipped tokens (dashed) vs all tokens (solid)
+- m2.png: M2 (mean squared log-ratio) before (solid) and after (dashed) M2PO's mask
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from m2po_rllib.metrics import HELDOUT_ACCURACY
+from m2po_rllib.report import Variant, mean_std
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _curve(variant: Variant, field: str, smooth: int = 1):
+    """(updates, mean, std) of `field` over the variant's runs, aligned by iteration."""
+    by_iter: dict[int, list[tuple[float, float]]] = {}
+    for run in variant.runs:
+        values = [(h["iteration"], h.get("policy_version"), h.get(field)) for h in run.history]
+        values = [(i, x, y) for i, x, y in values if x is not None and y is not None]
+        if smooth > 1 and values:
+            ys = np.convolve([y for *_, y in values], np.ones(smooth) / smooth, mode="valid")
+            values = [(i, x, y) for (i, x, _), y in zip(values[smooth - 1 :], ys)]
+        for i, x, y in values:
+            by_iter.setdefault(i, []).append((x, y))
+    its = sorted(by_iter)
+    xs = np.array([np.mean([x for x, _ in by_iter[i]]) for i in its])
+    stats = [mean_std([y for _, y in by_iter[i]]) for i in its]
+    return xs, np.array([m for m, _ in stats]), np.array([s or 0.0 for _, s in stats])
+
+
+def _panels(variants: list[Variant]):
+    levels = sorted({v.key[2] for v in variants})
+    return levels, {lvl: [v for v in variants if v.key[2] == lvl] for lvl in levels}
+
+
+def _colors(variants: list[Variant]):
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    family = sorted({(v.key[0], v.key[3], v.key[4]) for v in variants}, key=str)
+    return {f: cmap(i % cmap.N) for i, f in enumerate(family)}
+
+
+def _family(v: Variant):
+    return v.key[0], v.key[3], v.key[4]
+
+
+def _label(v: Variant, variants: list[Variant]) -> str:
+    varying = [c for c, i in (("m2_threshold", 3), ("lr", 4)) if len({u.key[i] for u in variants}) > 1]
+    return v.label(("policy_loss", *varying))
+
+
+# legend names of the plotted fields
+NAMES = {
+    "masked_frac": "masked", "clipped_frac": "clipped", "entropy_all": "all tokens",
+    "entropy_masked": "masked tokens", "entropy_clipped": "clipped tokens", "m2_before": "before mask",
+    "m2_after": "after mask",
+}
+
+
+def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: str, *, smooth=1, logy=False, pct=False,
+                   refs=()):
+    """One panel per staleness level; `fields` = [(field, linestyle)] drawn per variant; one
+    legend for the figure (a variant has one colour in every panel)."""
+    plt = _plt()
+    levels, panels = _panels(variants)
+    colors = _colors(variants)
+    fig, axes = plt.subplots(1, len(levels), figsize=(3.6 * len(levels) + 3.2, 3.6), sharey=True, squeeze=False,
+                             layout="constrained")
+    legend: dict[str, object] = {}
+    for ax, lvl in zip(axes[0], levels):
+        for v in panels[lvl]:
+            for f, style in fields:
+                xs, mean, std = _curve(v, f, smooth)
+                if not len(xs):
+                    continue
+                scale = 100.0 if pct else 1.0
+                label = _label(v, variants) + ("" if len(fields) == 1 else f": {NAMES.get(f, f)}")
+                kw = {"drawstyle": "steps-post"} if f == HELDOUT_ACCURACY else {}
+                (line,) = ax.plot(xs, mean * scale, style, color=colors[_family(v)], lw=1.5, **kw)
+                ax.fill_between(xs, (mean - std) * scale, (mean + std) * scale, color=colors[_family(v)],
+                                alpha=0.15, lw=0, **({"step": "post"} if kw else {}))
+                legend.setdefault(label, line)
+        mode = "<=" if panels[lvl][0].key[1] == "async" else ""
+        for y in refs:  # e.g. tau on the M2 plot
+            legend.setdefault(f"tau = {y:g}", ax.axhline(y, color="gray", ls=":", lw=1))
+        ax.set_title(f"staleness {mode}{lvl}", fontsize=10)
+        ax.set_xlabel("optimizer updates")
+        ax.grid(alpha=0.3)
+        if logy:
+            ax.set_yscale("log")
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
+    path = out / f"{name}.png"
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="outside right center", fontsize=7)
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path if legend else None
+
+
+def _final_vs_staleness(variants: list[Variant], out: Path):
+    plt = _plt()
+    colors = _colors(variants)
+    fig, ax = plt.subplots(figsize=(6.8, 3.8), layout="constrained")
+    for family in colors:
+        members = sorted((v for v in variants if _family(v) == family), key=lambda v: v.key[2])
+        points = [(v.key[2], mean_std([r.final for r in v.runs if r.final is not None])) for v in members]
+        points = [(x, m, s or 0.0) for x, (m, s) in points if m is not None]
+        if points:
+            x, m, s = zip(*points)
+            ax.errorbar(x, m, yerr=s, marker="o", capsize=3, color=colors[family], label=_label(members[0], variants))
+    ax.set_xlabel("staleness (optimizer updates)")
+    ax.set_ylabel("final held-out accuracy")
+    ax.set_title("final held-out accuracy vs staleness\n(mean ± std over seeds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside right center", fontsize=7)
+    path = out / "final_vs_staleness.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(variants: list[Variant], out: Path) -> list[Path]:
+    """Write every figure that has data; return their paths."""
+    n = max((len(r.history) for v in variants for r in v.runs), default=1)
+    smooth = max(1, n // 25)  # moving average over ~4% of the run for the per-step diagnostics
+    avg = f" (moving average over {smooth} iterations)" if smooth > 1 else ""
+    paths = [
+        _per_staleness(variants, out, "heldout_accuracy", [(HELDOUT_ACCURACY, "-")], "held-out accuracy",
+                       "held-out greedy accuracy (mean ± std over seeds)"),
+        _final_vs_staleness(variants, out),
+        _per_staleness(variants, out, "token_fraction", [("masked_frac", "-"), ("clipped_frac", "--")],
+                       "tokens (%)", "masked (M2PO) vs clipped tokens" + avg,
+                       smooth=smooth, pct=True),
+        _per_staleness(variants, out, "entropy", [("entropy_all", "-"), ("entropy_masked", "--"),
+                                                  ("entropy_clipped", ":")],
+                       "entropy (nats)", "entropy of all vs masked / clipped tokens" + avg,
+                       smooth=smooth),
+        _per_staleness(variants, out, "m2", [("m2_before", "-"), ("m2_after", "--")], "M2",
+                       "M2 (mean squared log-ratio) before and after the mask" + avg,
+                       smooth=smooth, logy=True, refs=sorted({v.key[3] for v in variants if v.key[3] is not None})),
+    ]
+    return [p for p in paths if p is not None]

@@ -1,0 +1,191 @@
+"""The staleness lab without running trials: search spaces (every trial validated before any
+starts, errors naming the file, the key and the fix), resources per trial, and the collapse
+stopper on synthetic result sequences. The real Tune run is in test_report.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+from m2po_rllib.collapse import CollapseStopper  # noqa: E402
+from m2po_rllib.lab import _points, fit_concurrency, load_space, trial_resources  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _space(tmp_path: Path, model_dir: str, **space) -> Path:
+    base = {
+        "environment": {"env": "m2po/Arithmetic-v0", "env_config": {"digits": 2}},
+        "env_runners": {"num_env_runners": 0, "rollout_engine": "hf", "max_new_tokens": 4},
+        "rl_module": {"model_config": {"model": model_dir}},
+        "training": {"group_size": 4, "prompts_per_step": 4, "minibatch_prompts": 2, "staleness": 2},
+        "evaluation": {"evaluation_interval": 2, "evaluation_duration": 8},
+    }
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"base": "base.yaml", "grid": {"training.policy_loss": ["m2po", "grpo"]}, "stop": {"policy_version": 4}}
+    spec.update(space)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml"])
+def test_shipped_spaces_validate_every_trial(name):
+    space = load_space(REPO / "tune" / "spaces" / name)
+    losses = {t.config.policy_loss for t in space.trials}
+    stale = {t.config.staleness for t in space.trials}
+    if name == "cpu.yaml":
+        assert len(space.trials) == 12 and losses == {"m2po", "grpo", "grpo_no_tr"} and stale == {0, 64}
+        assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
+    else:
+        # tau is swept for the M2PO losses only: 2 x 3 x 3 x 2 x 2 + 3 x 3 x 2 x 2
+        assert len(space.trials) == 72 + 36
+        assert losses == {"m2po", "m2po_official", "grpo", "grpo_no_tr", "gspo"} and stale == {0, 64, 256}
+        assert {t.config.m2_threshold for t in space.trials if t.config.policy_loss == "m2po"} == {0.02, 0.04, 0.08}
+        # 4 vLLM runners + 4 learners with a GPU each, in the trial's placement group
+        assert trial_resources(space.trials[0].config) == {"CPU": 2 + 4 * 4 + 4 * 4, "GPU": 8.0}
+
+
+@pytest.mark.parametrize(
+    "grid, overrides, needles",
+    [
+        ({"training.policy_loss": ["m2po", "ppo"]}, {}, ["trial 1 (policy_loss=ppo)", "`training.policy_loss` (grid)", "must be one of"]),
+        ({"training.m2_threshold": [0.04, -0.1]}, {}, ["`training.m2_threshold` (grid)", "`m2_threshold` (-0.1) must be > 0"]),
+        ({"training.staleness": [0, 3]}, {}, ["`training.staleness` (grid)", "non-negative multiple", "staleness=4"]),
+        ({"training.policy_loss": ["m2po"]}, {"training.max_staleness": 8}, ["`training.max_staleness` (overrides)", "'max_staleness'"]),
+    ],
+)
+def test_a_bad_trial_fails_before_any_starts_naming_file_key_and_fix(tmp_path, tiny_model_dir, grid, overrides, needles):
+    path = _space(tmp_path, tiny_model_dir, grid=grid, overrides=overrides)
+    with pytest.raises(ValueError) as err:
+        load_space(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: ")
+    for needle in needles:
+        assert needle in msg, msg
+
+
+@pytest.mark.parametrize(
+    "space, needle",
+    [
+        ({"grid": {"training.policy_loss": "m2po"}}, "must list its values"),
+        ({"grid": {"policy_loss": ["m2po"]}}, "must be section.key"),
+        ({"stop": {}}, "`stop` is missing"),
+        ({"scheduler": {"type": "pbt"}}, "must be one of ('fifo', 'asha')"),
+        ({"collapse": {"limits": {"entropy": {"max": 3}}}}, "not a watched metric"),
+        ({"base": "nope.yaml"}, "does not exist"),
+        ({"grids": {}}, "unknown key(s) ['grids']"),
+    ],
+)
+def test_malformed_space_is_a_clear_error(tmp_path, tiny_model_dir, space, needle):
+    with pytest.raises(ValueError) as err:
+        load_space(_space(tmp_path, tiny_model_dir, **space))
+    assert needle in str(err.value)
+
+
+def test_asha_needs_held_out_evaluation(tmp_path, tiny_model_dir):
+    path = _space(tmp_path, tiny_model_dir, scheduler={"type": "asha"}, overrides={"evaluation.evaluation_interval": 0})
+    with pytest.raises(ValueError, match="never evaluate: set evaluation.evaluation_interval"):
+        load_space(path)
+
+
+def test_grid_union_dedupes_and_points_hold_only_differences(tmp_path, tiny_model_dir):
+    grid = [
+        {"training.policy_loss": ["m2po"], "training.m2_threshold": [0.02, 0.08]},
+        {"training.policy_loss": ["grpo", "grpo"], "debugging.seed": [0, 1]},
+    ]
+    space = load_space(_space(tmp_path, tiny_model_dir, grid=grid))
+    assert [t.label for t in space.trials] == [
+        "policy_loss=m2po,m2_threshold=0.02",
+        "policy_loss=m2po,m2_threshold=0.08",
+        "policy_loss=grpo,seed=0",
+        "policy_loss=grpo,seed=1",
+    ]
+    points = _points(space)
+    assert points[0] == {} and points[1] == {"m2_threshold": 0.08}
+    assert points[2] == {"policy_loss": "grpo", "m2_threshold": 0.04, "seed": 0}
+    assert points[3] == {"policy_loss": "grpo", "m2_threshold": 0.04, "seed": 1}
+
+
+def test_concurrency_fits_the_cluster(tmp_path, tiny_model_dir):
+    one = load_space(_space(tmp_path, tiny_model_dir, overrides={"resources.num_cpus_for_main_process": 1}))
+    assert fit_concurrency(one.trials, {"CPU": 2.0}) == 2
+    # a remote EnvRunner adds its own bundle: 1 + 1 CPUs per trial
+    two = load_space(_space(tmp_path, tiny_model_dir, overrides={"env_runners.num_env_runners": 1}))
+    assert trial_resources(two.trials[0].config) == {"CPU": 2.0, "GPU": 0.0}
+    assert fit_concurrency(two.trials, {"CPU": 5.0}) == 2
+    with pytest.raises(ValueError, match="a trial needs 2 CPUs and this Ray cluster has 1"):
+        fit_concurrency(two.trials, {"CPU": 1.0})
+
+
+# -- the collapse stopper on synthetic results ---------------------------------------------
+def _result(it, acc=None, **learner):
+    r = {"training_iteration": it, "policy_version": 4 * it}
+    if acc is not None:
+        r["heldout_accuracy"] = acc
+    if learner:
+        r["learners"] = {"default_policy": learner}
+    return r
+
+
+def _run(stopper, results, trial="t"):
+    """Iteration at which the stopper stops, or None."""
+    return next((r["training_iteration"] for r in results if stopper(trial, r)), None)
+
+
+def test_stopper_stops_when_accuracy_falls_below_a_fraction_of_its_best():
+    accs = [0.2, 0.3, 0.4, 0.35, 0.25, 0.19, 0.5]
+    stopper = CollapseStopper(accuracy_drop=0.5, grace=2)
+    assert _run(stopper, [_result(i + 1, a) for i, a in enumerate(accs)]) == 6  # 0.19 < 0.5 x 0.4
+    reason = stopper.reasons["t"]
+    assert reason["criterion"] == "heldout_accuracy" and reason["best"] == 0.4 and reason["training_iteration"] == 6
+    assert math.isclose(reason["threshold"], 0.2) and "0.190 fell below 0.5 x its best 0.400" in reason["reason"]
+    assert stopper("t", _result(8, 0.5)), "a stopped trial stays stopped"
+
+
+def test_stopper_grace_and_min_best_keep_early_and_near_zero_noise():
+    # drops inside the grace period, and drops from a best below min_best, are not collapses
+    stopper = CollapseStopper(accuracy_drop=0.5, grace=3, min_best=0.05)
+    assert _run(stopper, [_result(1, 0.4), _result(2, 0.1), _result(3, 0.1), _result(4, 0.5)], "a") is None
+    assert _run(stopper, [_result(i, a) for i, a in enumerate([0.04, 0.04, 0.04, 0.0, 0.0], 1)], "b") is None
+    assert stopper.reasons == {}
+    # after the grace period the best seen during it counts: 0.2 < 0.5 x 0.5
+    assert _run(stopper, [_result(5, 0.2)], "a") == 5 and stopper.reasons["a"]["best"] == 0.5
+
+
+def test_stopper_limits_with_patience_and_per_trial_state():
+    stopper = CollapseStopper(accuracy_drop=None, grace=0, patience=2,
+                              limits={"m2_before": {"max": 1.0}, "entropy_all": {"min": 0.05}})
+    spikes = [_result(1, **{"m2po/m2_before": 2.0}), _result(2, **{"m2po/m2_before": 0.1}),
+              _result(3, **{"m2po/m2_before": 3.0}), _result(4, **{"m2po/m2_before": 4.0})]
+    assert _run(stopper, spikes, "a") == 4  # one spike alone is forgiven
+    assert stopper.reasons["a"]["criterion"] == "m2_before" and "for 2 results in a row" in stopper.reasons["a"]["reason"]
+    low = [_result(i, **{"m2po/entropy_all": 0.01}) for i in (1, 2)]
+    assert _run(stopper, low, "b") == 2 and "entropy_all 0.01 below its limit 0.05" in stopper.reasons["b"]["reason"]
+    assert _run(stopper, [_result(1, **{"m2po/m2_before": 0.5})] * 3, "c") is None
+
+
+def test_stopper_reads_clip_losses_and_flattened_results_and_a_nan_loss():
+    stopper = CollapseStopper(accuracy_drop=None, grace=0, limits={"clipped_frac": {"max": 0.3}})
+    assert _run(stopper, [_result(1, **{"gspo/clipped_frac": 0.2}), _result(2, **{"gspo/clipped_frac": 0.4})], "g") == 2
+    flat = {"training_iteration": 1, "learners/default_policy/grpo/clipped_frac": 0.9}
+    assert stopper("flat", flat) and stopper.reasons["flat"]["value"] == 0.9
+    assert stopper("nan", _result(1, **{"policy/loss": float("nan")}))
+    assert stopper.reasons["nan"]["criterion"] == "loss"
+    assert not stopper("m2po", _result(1, **{"m2po/masked_frac": 0.9}))  # not the clipped fraction
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [({"accuracy_drop": 1.5}, "accuracy_drop (1.5) must be in (0, 1)"), ({"limits": {"m2_before": 3}}, "'max' and/or 'min'"),
+     ({"patience": 0}, "patience (0)"), ({"drop": 0.5}, "valid keys")],
+)
+def test_stopper_rejects_bad_settings(spec, needle):
+    with pytest.raises(ValueError) as err:
+        CollapseStopper.from_spec(spec)
+    assert needle in str(err.value)

@@ -1,0 +1,209 @@
+"""`m2po report` and `m2po lab` on real short runs: two 3-iteration `m2po train` runs (seeds 0
+and 1) and a 2-trial Tune search; the table's numbers are recomputed here from the runs' own
+history.json / result.json.
+
+The built-in model (`builtin:arith-tiny`, warm-started to ~25% on addition) is used rather
+than the random tiny model: its held-out accuracy is not 0, so the equalities mean something.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FIGURES = ("heldout_accuracy", "final_vs_staleness", "token_fraction", "entropy", "m2")
+SMALL = [  # configs/default.yaml's task (3-digit addition), smaller steps
+    "training.group_size=4",
+    "training.prompts_per_step=8",
+    "training.minibatch_prompts=4",  # 2 updates per step
+    "training.staleness=2",
+    "training.lr=1e-4",
+    "evaluation.evaluation_interval=1",
+    "evaluation.evaluation_duration=24",
+]
+
+
+def _m2po(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_rllib.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_tmp():
+    """Ray's temp root for the subprocesses (short: Ray's socket paths must stay < 108 chars)."""
+    d = tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")
+    yield {"RAY_TMPDIR": d}
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory, ray_tmp) -> list[Path]:
+    """Seeds 0 and 1 side by side (each its own local Ray on random ports)."""
+    root = tmp_path_factory.mktemp("train")
+    runs = [root / f"seed{seed}" for seed in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "3", "--output", str(out),
+             "--no-progress", "--checkpoint-every", "0", *SMALL, "run.stop_minutes=null", f"debugging.seed={seed}"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ray_tmp},
+        )
+        for seed, out in enumerate(runs)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+    return runs
+
+
+def _row(md: str, variant: str) -> list[str]:
+    line = next(line for line in md.splitlines() if line.startswith(f"| {variant} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_history_records_carry_the_report_fields(train_runs):
+    from m2po_rllib.metrics import RECORD_FIELDS
+
+    history = json.loads((train_runs[0] / "history.json").read_text())
+    assert [h["iteration"] for h in history] == [1, 2, 3]
+    for h in history:
+        assert list(h) == list(RECORD_FIELDS)
+    # iteration 1 fills the stale queue (staleness 2 = 1 step); 2 trains on base-model data
+    assert history[0]["m2_before"] is None and history[0]["policy_version"] == 0
+    assert [h["staleness_mean"] for h in history] == [None, 0, 2]
+    for h in history[1:]:
+        assert h["m2_before"] >= h["m2_after"] >= 0 and h["entropy_all"] > 0
+        assert 0 <= h["masked_frac"] <= 1 and h["clipped_frac"] is None and h["entropy_clipped"] is None
+        assert h["heldout_accuracy"] is not None and h["trained_staleness_max"] is not None
+
+
+def test_report_table_equals_the_histories(train_runs, tmp_path):
+    out = tmp_path / "report"
+    proc = _m2po("report", *map(str, train_runs), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in FIGURES:
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    rows = json.loads((out / "report.json").read_text())
+    assert len(rows) == 1, "two seeds of one setting are one variant"
+    row = rows[0]
+    assert row["seeds"] == [0, 1] and row["policy_loss"] == "m2po" and row["staleness"] == 2
+
+    histories = [json.loads((r / "history.json").read_text()) for r in train_runs]
+    acc = [[h["heldout_accuracy"] for h in hist if h["heldout_accuracy"] is not None] for hist in histories]
+    final, best = [a[-1] for a in acc], [max(a) for a in acc]
+    masked = [statistics.fmean(h["masked_frac"] for h in hist if h["masked_frac"] is not None) for hist in histories]
+    assert all(b > 0 for b in best), "the built-in model answers some held-out problems"
+    assert row["final_mean"] == pytest.approx(statistics.fmean(final))
+    assert row["final_std"] == pytest.approx(statistics.stdev(final))
+    assert row["best_mean"] == pytest.approx(statistics.fmean(best))
+    assert row["best_std"] == pytest.approx(statistics.stdev(best))
+    assert row["token_kind"] == "masked" and row["token_frac_mean"] == pytest.approx(statistics.fmean(masked))
+    assert row["updates"] == [histories[0][-1]["policy_version"]] * 2
+
+    md = (out / "report.md").read_text()
+    cells = _row(md, "m2po, stale 2, tau 0.04, lr 0.0001")
+    assert cells[1] == "2 (0, 1)"
+    assert cells[2] == f"{statistics.fmean(final):.3f} ± {statistics.stdev(final):.3f}"
+    assert cells[3] == f"{statistics.fmean(best):.3f} ± {statistics.stdev(best):.3f}"
+    assert cells[4] == f"masked {100 * statistics.fmean(masked):.2f}%"
+    for name in FIGURES:
+        assert f"]({name}.png)" in md
+
+
+def test_report_defaults_to_dir_report(train_runs):
+    proc = _m2po("report", str(train_runs[0]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (train_runs[0] / "report" / "report.md").exists() and "report written to" in proc.stdout
+
+
+def test_report_over_a_directory_without_runs_says_so(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    proc = _m2po("report", str(tmp_path / "empty"))
+    assert proc.returncode == 2
+    assert "no runs found in" in proc.stderr and "history.json" in proc.stderr
+    assert not (tmp_path / "empty" / "report").exists()
+
+
+# -- a real Tune search: `m2po lab` -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def lab_experiment(tmp_path_factory, ray_tmp) -> Path:
+    from m2po_rllib.config_io import apply_overrides, load_spec
+
+    root = tmp_path_factory.mktemp("lab")
+    base = apply_overrides(load_spec(str(REPO / "configs" / "default.yaml")), SMALL)
+    base.pop("run")
+    (root / "base.yaml").write_text(yaml.safe_dump(base))
+    space = {
+        "name": "tiny",
+        "base": "base.yaml",
+        "overrides": {"resources.num_cpus_for_main_process": 1},
+        "grid": {"training.policy_loss": ["m2po", "grpo"]},
+        "stop": {"policy_version": 4},  # 2 updates per step after 1 filling step: 3 iterations
+        # A limit only GRPO can break (M2PO has no clipped fraction): the recorder's path, deterministically.
+        "collapse": {"grace": 1, "limits": {"clipped_frac": {"min": 1.0}}},
+    }
+    (root / "space.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
+    proc = _m2po("lab", "--space", str(root / "space.yaml"), "--out", str(root / "exp"), env=ray_tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 trials" in proc.stdout and "collapsed: 001_policy_loss=grpo" in proc.stdout
+    return root / "exp"
+
+
+def _results(trial_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines()]
+
+
+def test_lab_trials_hold_their_resources_and_record_collapse(lab_experiment):
+    from ray.tune import ExperimentAnalysis
+
+    m2po_dir, grpo_dir = lab_experiment / "000_policy_loss=m2po", lab_experiment / "001_policy_loss=grpo"
+    analysis = ExperimentAnalysis(str(lab_experiment))
+    assert sorted(t.config["policy_loss"] for t in analysis.trials) == ["grpo", "m2po"]
+    for trial in analysis.trials:  # the trial's placement group: its one process (local runner + learner)
+        assert trial.placement_group_factory.bundles == [{"CPU": 1.0}]
+
+    m2po = _results(m2po_dir)
+    assert [r["policy_version"] for r in m2po] == [0, 2, 4] and not (m2po_dir / "collapse.json").exists()
+    assert all(r["heldout_accuracy"] is not None for r in m2po), "evaluated from iteration 1 on"
+    grpo = _results(grpo_dir)
+    assert len(grpo) == 2 and "collapse_reason" not in grpo[0]  # grace 1: stopped at its first trained step
+    assert grpo[-1]["collapse_reason"].startswith("clipped_frac ") and "below its limit 1" in grpo[-1]["collapse_reason"]
+    reason = json.loads((grpo_dir / "collapse.json").read_text())
+    assert reason["criterion"] == "clipped_frac" and reason["training_iteration"] == 2
+    assert reason["value"] == grpo[-1]["learners"]["default_policy"]["grpo/clipped_frac"]
+
+
+def test_lab_report_equals_the_trials_results(lab_experiment):
+    out = lab_experiment / "report"  # written by `m2po lab`
+    rows = {r["policy_loss"]: r for r in json.loads((out / "report.json").read_text())}
+    assert set(rows) == {"m2po", "grpo"}
+    md = (out / "report.md").read_text()
+    for loss, name in (("m2po", "000_policy_loss=m2po"), ("grpo", "001_policy_loss=grpo")):
+        results = _results(lab_experiment / name)
+        acc = [r["heldout_accuracy"] for r in results]
+        assert rows[loss]["final_mean"] == pytest.approx(acc[-1]) and rows[loss]["final_std"] is None
+        assert rows[loss]["best_mean"] == pytest.approx(max(acc))
+        assert rows[loss]["updates"] == [results[-1]["policy_version"]] * 2
+        label = "m2po, stale 2, tau 0.04, lr 0.0001" if loss == "m2po" else "grpo, stale 2, lr 0.0001"
+        assert _row(md, label)[2] == f"{acc[-1]:.3f}"
+    clipped = [r["learners"]["default_policy"]["grpo/clipped_frac"] for r in _results(lab_experiment / "001_policy_loss=grpo")
+               if "learners" in r]
+    assert rows["grpo"]["token_kind"] == "clipped" and rows["grpo"]["token_frac_mean"] == pytest.approx(statistics.fmean(clipped))
+    assert "001_policy_loss=grpo: collapsed: clipped_frac" in md
+    for name in FIGURES:
+        assert (out / f"{name}.png").stat().st_size > 1000

@@ -343,6 +343,11 @@ class M2POConfig(AlgorithmConfig):
             self._raise(errors)
         if self.async_rollouts and not self.in_evaluation:  # evaluation has its own runners
             self._validate_async(bad)
+        elif not self.async_rollouts and self.max_staleness is not None:
+            bad(
+                f"`max_staleness` ({self.max_staleness}) bounds asynchronous rollouts, which are off; set "
+                "async_rollouts=True, or use `staleness` for the exact-k protocol"
+            )
         if errors:
             self._raise(errors)
 

@@ -57,7 +57,7 @@ def test_shipped_spaces_validate_every_trial(name):
         ({"training.policy_loss": ["m2po", "ppo"]}, {}, ["trial 1 (policy_loss=ppo)", "`training.policy_loss` (grid)", "must be one of"]),
         ({"training.m2_threshold": [0.04, -0.1]}, {}, ["`training.m2_threshold` (grid)", "`m2_threshold` (-0.1) must be > 0"]),
         ({"training.staleness": [0, 3]}, {}, ["`training.staleness` (grid)", "non-negative multiple", "staleness=4"]),
-        ({"training.policy_loss": ["m2po"]}, {"training.max_staleness": 8}, ["`training.max_staleness` (overrides)", "'max_staleness'"]),
+        ({"training.policy_loss": ["m2po"]}, {"training.max_staleness": 8}, ["`training.max_staleness` (overrides)", "async_rollouts=True"]),
     ],
 )
 def test_a_bad_trial_fails_before_any_starts_naming_file_key_and_fix(tmp_path, tiny_model_dir, grid, overrides, needles):

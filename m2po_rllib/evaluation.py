@@ -21,7 +21,7 @@ def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
     shards = [list(range(i, total, n)) for i in range(n)]
     samples = cfg.eval_samples
     seed = (cfg.seed or 0) + 7_777
-    weights = algo._learner_weights()
+    weights = algo.learner_weights()
 
     if group.num_remote_env_runners() == 0:
         results = [group.local_env_runner.evaluate(indices=shards[0], samples=samples, seed=seed, weights=weights)]

@@ -113,7 +113,7 @@ class M2PO(Algorithm):
         self._sample_round = 0  # sync: rounds sampled so far
         self._heldout_accuracy: float | None = None
         super().setup(config)
-        self._weights = self._learner_weights()
+        self._weights = self.learner_weights()
         # The learner owns the policy version; the driver keeps what it last reported and
         # what it will be once every step dispatched so far is trained.
         self._learner_version = self._weights.version
@@ -370,7 +370,7 @@ class M2PO(Algorithm):
             self._learner_version = max(self._learner_version, int(reported))
         return True
 
-    def _learner_weights(self) -> PublishedWeights:
+    def learner_weights(self) -> PublishedWeights:
         """The first learner's current weights, published (RLlib's choice of learner in
         `LearnerGroup.get_state`)."""
         group = self.learner_group
@@ -448,7 +448,7 @@ class M2PO(Algorithm):
             self._heldout_accuracy = m.get("heldout_accuracy")
             if self._async is not None and m.get("async") is not None:
                 self._async.set_state(m["async"])
-        self._weights = self._learner_weights()
+        self._weights = self.learner_weights()
         self._learner_version = self._dispatched_version = self._weights.version
 
 

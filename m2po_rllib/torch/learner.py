@@ -159,7 +159,8 @@ class M2POTorchLearner(TorchLearner):
         """The current weights, published once for every runner: `ray.put` from this process
         when runners are remote (the driver passes the reference on), else in process."""
         state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
-        remote = self.config.num_learners > 0 or self.config.num_env_runners > 0
+        cfg = self.config
+        remote = cfg.num_learners > 0 or cfg.num_env_runners > 0 or cfg.evaluation_num_env_runners > 0
         return PublishedWeights.publish(state, remote=remote)
 
     @override(TorchLearner)

@@ -17,6 +17,10 @@ import torch
 
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
+from m2po_rllib.log_filters import quiet_rllib_module_config_deprecation
+
+quiet_rllib_module_config_deprecation()
+
 LOGP = "logp"
 ENTROPY = "entropy"
 

@@ -56,6 +56,81 @@ def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "training, needle",
+    [
+        (dict(m2_threshold=-1), "`m2_threshold` (-1) must be > 0"),
+        (dict(staleness=-1), "`staleness` (-1) must be a non-negative multiple"),
+        (dict(group_size=-1), "`group_size` (-1) must be an int >= 2"),
+        (dict(lr=-1), "`lr` (-1) must be > 0"),
+        (dict(logp_mismatch_interval=-1), "`logp_mismatch_interval` (-1) must be >= 0"),
+    ],
+)
+def test_build_algo_rejects_minus_one_as_validate_does(tiny_model_dir, training, needle):
+    """RLlib's config copy drops every -1 (its DEPRECATED_VALUE); M2PO's keeps them, so
+    `build_algo()` fails with validate()'s message instead of training on a default."""
+    cfg = tiny_config(tiny_model_dir, **training)
+    with pytest.raises(ValueError) as validated:
+        cfg.validate()
+    assert needle in str(validated.value)
+    with pytest.raises(ValueError) as built:
+        cfg.build_algo()
+    assert str(built.value) == str(validated.value)
+
+
+def test_config_state_keeps_minus_one_and_drops_only_rllib_deprecated(tiny_model_dir):
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+
+    state = tiny_config(tiny_model_dir, staleness=-1, m2_threshold=-1.0).get_state()
+    assert (state["staleness"], state["m2_threshold"]) == (-1, -1.0)
+    rllib = AlgorithmConfig().get_state()
+    assert set(AlgorithmConfig().__dict__) - set(rllib) - {"algo_class", "_is_frozen"} == (
+        set(M2POConfig().__dict__) - set(M2POConfig().get_state()) - {"algo_class", "_is_frozen"}
+    )
+
+
+@pytest.mark.parametrize(
+    "training, needle",
+    [
+        (dict(staleness="abc"), "`staleness` ('abc') must be an int"),
+        (dict(group_size=8.0), "`group_size` (8.0) must be an int"),
+        (dict(lr="fast"), "`lr` ('fast') must be a number"),
+        (dict(m2_threshold=None), "`m2_threshold` (None) must be a number"),
+        (dict(recompute_behavior_logp="yes"), "`recompute_behavior_logp` ('yes') must be true or false"),
+    ],
+)
+def test_wrong_types_are_one_clear_line(tiny_model_dir, training, needle):
+    with pytest.raises(ValueError) as err:
+        tiny_config(tiny_model_dir, **training).validate()
+    assert str(err.value).startswith(f"Invalid M2POConfig: {needle}") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ("/no/such/model", "model_config['model'] ('/no/such/model'): no such directory, and it is not a hub name"),
+        ("./relative/missing", "('./relative/missing'): no such directory, and it is not a hub name"),
+        ("no/such/model", "('no/such/model'): no such directory, and it is not a hub name"),
+        ("builtin:arith-huge", "('builtin:arith-huge') is not a built-in model; the built-in models are: builtin:arith-tiny"),
+    ],
+)
+def test_a_model_that_cannot_load_is_one_clear_line(tiny_model_dir, monkeypatch, model, needle):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = tiny_config(tiny_model_dir).rl_module(model_config={"model": model})
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_unknown_env_id_suggests_the_close_one(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir).environment("m2po/Arithmetc-v0")
+    with pytest.raises(ValueError, match=r"`env` \('m2po/Arithmetc-v0'\) is not a registered gymnasium env id; did you mean 'm2po/Arithmetic-v0'"):
+        cfg.validate()
+    with pytest.raises(ValueError, match="cannot import module 'nosuchpkg'"):
+        tiny_config(tiny_model_dir).environment("nosuchpkg:Env-v0").validate()
+    tiny_config(tiny_model_dir).environment("envs:m2po/Arithmetic-v0").validate()  # gym.make's module:id form
+
+
 def test_validate_requires_model_and_accepts_good_config(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir)
     cfg.validate()  # a consistent config passes
@@ -80,6 +155,24 @@ def test_yaml_config_round_trip(tmp_path, tiny_model_dir):
     assert cfg.policy_loss_params() == {"eps_high": 0.28}
     with pytest.raises(ValueError, match="unknown config section"):
         M2POConfig.from_yaml(str(path), overrides=["train.lr=1"])
+
+
+def test_yaml_typo_names_the_closest_setting(tmp_path, tiny_model_dir):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"rl_module: {{model_config: {{model: {tiny_model_dir}}}}}\n")
+    cases = {
+        "training.stalenes=64": "unknown setting `training.stalenes`; did you mean `staleness`?",
+        "env_runners.temprature=0.5": "unknown setting `env_runners.temprature`; did you mean `temperature`?",
+        # RLlib's own settings count too
+        "training.grad_clipp=1": "unknown setting `training.grad_clipp`; did you mean `grad_clip`?",
+        "training.qwerty=1": "unknown setting `training.qwerty`; see `M2POConfig.training()`",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ValueError) as err:
+            M2POConfig.from_yaml(str(path), overrides=[override])
+        assert str(err.value).startswith(message), str(err.value)
+    cfg = M2POConfig.from_yaml(str(path), overrides=["training.grad_clip=0.5", "env_runners.num_env_runners=0"])
+    assert (cfg.grad_clip, cfg.num_env_runners) == (0.5, 0)
 
 
 @pytest.mark.parametrize(
@@ -324,3 +417,29 @@ def test_runners_sharing_a_round_seed_draw_different_prompts(tiny_model_dir):
         finally:
             runner.stop()
     assert prompts[0].shape != prompts[1].shape or not np.array_equal(prompts[0], prompts[1])
+
+
+@pytest.mark.slow
+def test_building_the_module_logs_no_rlmodule_config_deprecation(tiny_model_dir):
+    """RLlib's own RLModule.__init__ builds the deprecated RLModuleConfig; building the
+    policy (a MultiRLModule holding the HF module, as each learner does) must not log it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gymnasium as gym\n"
+        "from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec\n"
+        "from m2po_rllib import M2POConfig\n"
+        "spec = M2POConfig().get_default_rl_module_spec()\n"
+        "spec.model_config = {'model': sys.argv[1]}\n"
+        "spec.observation_space = spec.action_space = gym.spaces.Discrete(2)\n"
+        "module = MultiRLModuleSpec(rl_module_specs={'default_policy': spec}).build()\n"
+        "print(type(module['default_policy']).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, tiny_model_dir], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "HFCausalLMModule"
+    assert "RLModuleConfig" not in out.stderr + out.stdout, out.stderr[-3000:]

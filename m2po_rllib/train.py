@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.run_dir import has_checkpoint as runs_have_checkpoint
+from m2po_rllib import run_dir as runs
 
 # Keys shown on the progress line and in the summary.
 EVAL_ACC = ("evaluation", "env_runners", "eval/accuracy")
@@ -145,8 +145,6 @@ def run_training(
     checkpoint_every: int | None = None,
     progress: bool = True,
 ) -> int:
-    from m2po_rllib import run_dir as runs
-
     _quiet()
     overrides = list(overrides or [])
     changes: dict = {}
@@ -174,29 +172,15 @@ def run_training(
             print("\ninterrupted before training started; nothing to save", file=sys.stderr)
             return 130
         raise
-    if resume:
-        print(f"resumed {run_dir} at iteration {algo.iteration}")
-        for key, (old, new) in changes.items():
-            print(f"  {key}: {old} -> {new}")
-        if changes:
-            meta.setdefault("resumes", []).append({"iteration": algo.iteration, "overrides": overrides})
-        runs.write_meta(run_dir, meta)
-    return _train(algo, run_dir, run, resumed=bool(resume), progress=progress)
+    with _CtrlC() as ctrl_c:
+        return _train(algo, run_dir, run, ctrl_c, progress=progress, resumed=(meta, changes, overrides) if resume else None)
 
 
-def _train(algo, run_dir: Path, run: dict, *, resumed: bool, progress: bool) -> int:
-    from torch.utils.tensorboard import SummaryWriter
-
-    ckpt_dir = run_dir / "checkpoint"
-    history_path = run_dir / "history.json"
-    summary_path = run_dir / "summary.json"
-    history: list[dict] = json.loads(history_path.read_text()) if resumed and history_path.exists() else []
-    summary = json.loads(summary_path.read_text()) if resumed and summary_path.exists() else {}
-    tb = SummaryWriter(str(run_dir / "tensorboard"))
+def _print_header(algo, run_dir: Path, run: dict) -> None:
+    cfg = algo.config
     print(f"run directory: {run_dir}")
     print(f"  TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
-    print(f"  checkpoint:  {ckpt_dir} (every {run['checkpoint_every']} iterations and at the end)")
-    cfg = algo.config
+    print(f"  checkpoint:  {run_dir / 'checkpoint'} (every {run['checkpoint_every']} iterations and at the end)")
     print(
         f"  {cfg.policy_loss} | staleness {cfg.staleness} updates | {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} samples | {cfg.updates_per_step} updates/step | engine "
@@ -204,54 +188,74 @@ def _train(algo, run_dir: Path, run: dict, *, resumed: bool, progress: bool) -> 
         flush=True,
     )
 
+
+def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, resumed) -> int:
+    """The loop; `resumed` is (run.json contents, changed settings, overrides) or None."""
+    ckpt_dir = run_dir / "checkpoint"
+    history_path = run_dir / "history.json"
+    summary_path = run_dir / "summary.json"
+    history: list[dict] = json.loads(history_path.read_text()) if resumed and history_path.exists() else []
+    summary = json.loads(summary_path.read_text()) if resumed and summary_path.exists() else {}
+    cfg = algo.config
     t_start = time.perf_counter()
     elapsed_before = float(summary.get("train_seconds", 0.0))
-    bar = None
-    with _CtrlC() as ctrl_c:
-        try:
-            if (
-                "start_heldout_accuracy" not in summary
-                and algo.iteration == 0
-                and run.get("eval_at_start")
-                and cfg.evaluation_interval
-            ):
-                print("evaluating held-out accuracy before training (Ctrl-C saves a checkpoint)...", flush=True)
-                summary["start_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
-                print(f"held-out accuracy before training: {summary['start_heldout_accuracy']:.3f}", flush=True)
-            last_eval = summary.get("end_heldout_accuracy", summary.get("start_heldout_accuracy"))
-            if progress:
-                from tqdm import tqdm
+    tb = bar = None
+    try:
+        if resumed:
+            meta, changes, overrides = resumed
+            print(f"resumed {run_dir} at iteration {algo.iteration}")
+            for key, (old, new) in changes.items():
+                print(f"  {key}: {old} -> {new}")
+            if changes:
+                meta.setdefault("resumes", []).append({"iteration": algo.iteration, "overrides": overrides})
+            runs.write_meta(run_dir, meta)
+        from torch.utils.tensorboard import SummaryWriter
 
-                bar = tqdm(total=run["stop_iters"], initial=algo.iteration, unit="it", dynamic_ncols=True)
-            while algo.iteration < run["stop_iters"] and not ctrl_c.requested:
-                with ctrl_c.step():
-                    result = algo.train()
-                last_eval = _log_iteration(result, algo.iteration, history, tb, bar, last_eval, elapsed_before + time.perf_counter() - t_start)
-                if run["checkpoint_every"] and algo.iteration % run["checkpoint_every"] == 0:
-                    with ctrl_c.step():
-                        algo.save_to_path(str(ckpt_dir))
-                minutes = (elapsed_before + time.perf_counter() - t_start) / 60
-                if run.get("stop_minutes") and minutes >= run["stop_minutes"]:
-                    print(f"\nstopping: {minutes:.1f} min >= stop_minutes={run['stop_minutes']}")
-                    break
-            if bar is not None:
-                bar.close()
-                bar = None
+        tb = SummaryWriter(str(run_dir / "tensorboard"))
+        _print_header(algo, run_dir, run)
+        if (
+            "start_heldout_accuracy" not in summary
+            and algo.iteration == 0
+            and run.get("eval_at_start")
+            and cfg.evaluation_interval
+        ):
+            print("evaluating held-out accuracy before training (Ctrl-C saves a checkpoint)...", flush=True)
+            summary["start_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
+            print(f"held-out accuracy before training: {summary['start_heldout_accuracy']:.3f}", flush=True)
+        last_eval = summary.get("end_heldout_accuracy", summary.get("start_heldout_accuracy"))
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=run["stop_iters"], initial=algo.iteration, unit="it", dynamic_ncols=True)
+        while algo.iteration < run["stop_iters"] and not ctrl_c.requested:
             with ctrl_c.step():
-                algo.save_to_path(str(ckpt_dir))
-            if not ctrl_c.requested and cfg.evaluation_interval:
-                summary["end_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
-        except KeyboardInterrupt:
-            if bar is not None:
-                bar.close()
-            if ctrl_c.abandoned:
-                print("\nquit without saving the interrupted iteration", file=sys.stderr)
-            else:
+                result = algo.train()
+            last_eval = _log_iteration(result, algo.iteration, history, tb, bar, last_eval, elapsed_before + time.perf_counter() - t_start)
+            if run["checkpoint_every"] and algo.iteration % run["checkpoint_every"] == 0:
                 with ctrl_c.step():
                     algo.save_to_path(str(ckpt_dir))
-        history_path.write_text(json.dumps(history, indent=1))
+            minutes = (elapsed_before + time.perf_counter() - t_start) / 60
+            if run.get("stop_minutes") and minutes >= run["stop_minutes"]:
+                print(f"\nstopping: {minutes:.1f} min >= stop_minutes={run['stop_minutes']}")
+                break
+        if bar is not None:
+            bar.close()
+            bar = None
+        with ctrl_c.step():
+            algo.save_to_path(str(ckpt_dir))
+        if not ctrl_c.requested and cfg.evaluation_interval:
+            summary["end_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        if ctrl_c.abandoned:
+            print("\nquit without saving the interrupted iteration", file=sys.stderr)
+        else:
+            with ctrl_c.step():
+                algo.save_to_path(str(ckpt_dir))
+    history_path.write_text(json.dumps(history, indent=1))
     interrupted = ctrl_c.requested
-    if interrupted and runs_have_checkpoint(run_dir):
+    if interrupted and runs.has_checkpoint(run_dir):
         saved = "the last checkpoint is" if ctrl_c.abandoned else "checkpoint saved"
         print(f"\ninterrupted: {saved} in {ckpt_dir}; continue with `m2po train --resume {run_dir}`")
     elif interrupted:
@@ -274,7 +278,8 @@ def _train(algo, run_dir: Path, run: dict, *, resumed: bool, progress: bool) -> 
         summary["rollout_tokens_per_s"] = sum(tok) / len(tok)
     summary_path.write_text(json.dumps(summary, indent=2))
     algo.stop()
-    tb.close()
+    if tb is not None:
+        tb.close()
     _print_summary(summary)
     print(f"summary written to {summary_path}")
     return 130 if interrupted else 0

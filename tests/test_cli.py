@@ -94,6 +94,8 @@ def test_help_lists_the_parsers_subcommands():
             "Invalid M2POConfig: model_config['model'] ('/no/such/model'): no such directory, and it is "
             "not a hub name; pass a HF model directory, a hub name (org/name) or 'builtin:arith-tiny'",
         ),
+        # valid config, fails while the algorithm is built (in the env): the run dir goes too
+        ("environment.env_config.digits=0", "digits=0 must be an integer >= 1"),
     ],
 )
 def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, override, message):

@@ -46,9 +46,16 @@ ARITH = [
 NOISE = ("Traceback", "RLModuleConfig", "Token authentication is enabled", "Failed to load weights")
 
 
+def _user_env() -> dict:
+    """The environment of a user's shell: without what Ray set in this process
+    (`ray_session` makes Ray export RAY_AUTH_MODE=token)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+
+
 def _m2po(*args, cwd=REPO, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600, **kw
+        [sys.executable, "-m", "m2po_rllib.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+        env=_user_env(), **kw,
     )
 
 
@@ -192,7 +199,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "1000", "--output", str(run),
          "--no-progress", *_overrides(tiny_model_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_user_env(),
     )
     deadline = time.time() + 300
     lines = []
@@ -218,7 +225,7 @@ def test_ctrl_c_in_the_start_evaluation_saves_a_checkpoint(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "1", "--output", str(run),
          "--no-progress", *ARITH, "evaluation.evaluation_duration=500", "evaluation.eval_samples=64"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_user_env(),
     )
     lines = []
     for line in proc.stdout:

@@ -10,11 +10,27 @@ Extraction order (`extract_answer`), on the last `TAIL_CHARS` characters:
   3. else the last number (integer, strict thousands commas, decimal or `a/b`).
 An answer saying "x or y" is hedged, and a hedged completion is never rewarded.
 
-Fast path (`parse_simple_number`): both the extracted answer and the gold parse as an
-integer, a strict thousands-comma number (1,234,567), a decimal, `a/b` or `\\frac{a}{b}`
-(with `$`, `\\$`, LaTeX thin spaces, a trailing `\\text{unit}` and trailing unit words such
-as "42 dollars" stripped); they are then compared exactly as fractions. Everything else
-goes to math-verify (`envs.reward`).
+Fast path (`parse_simple_number`): both the extracted answer and the gold parse as a
+plainly written number, and are then compared exactly as fractions:
+  - integers and decimals, signed (`-42`, `+0.5`, `.5`, `\u22127`), with strict thousands
+    commas (`1,234,567`, `1{,}000`) or thousands groups of spaces (`1 000`, `1\\,000`);
+  - fractions `a/b`, `\\frac{a}{b}` (also `\\dfrac`, `\\tfrac`, signed parts, `\\frac34`);
+  - wrapped whole: `$...$`, `\\$`, `{5}`, `(5)`, `\\left(5\\right)`, `\\mathbf{5}`,
+    `\\text{5}`, a trailing `\\text{unit}` or unit words ("42 dollars"), a final period.
+On these the fast path agrees with math-verify (tests/test_reward.py checks it on the
+held-out arithmetic answers and the fixture datasets), except where math-verify misreads
+plain notation: it reads `1 000` and `1\\,000` as 1 x 000 and rejects a final period
+(`42.`); here they are 1000 and 42. Everything else (expressions, `5\\%`, mixed numbers,
+anything with letters) goes to math-verify (`envs.reward`).
+
+Equations (`equation_sides`): an answer written as an equation, `x = 18`, `19 = 18` or
+`2 + 16 = 18`, is correct only if every side that is not a bare name (`x`, `a_n`,
+`f(x)`, `\\theta`, `\\text{total}`) equals the ground truth. So a false equation scores 0
+even when its last side is right (math-verify alone would compare only the right-hand
+side: `19 = 18` would score 1 against 18), `x = 18` and `18 = 18` score 1, and an answer
+of names only (`x = y`) scores 0. When the gold answer is itself an equation, math-verify
+compares the two equations as before. Inequalities (`<=`, `\\geq`, `\\neq`) are not
+equations: math-verify judges them.
 """
 
 from __future__ import annotations
@@ -42,9 +58,20 @@ _SIMPLE_RE = re.compile(
     r"(?P<int>\d{1,3}(?:,\d{3})+|\d+)(?:\.(?P<frac>\d+))?"
     r"|\.(?P<frac_only>\d+)"
     r"|(?P<num>\d+)/(?P<den>\d+)"
-    r"|\\[dt]?frac\{(?P<lnum>\d+)\}\{(?P<lden>\d+)\}"
+    # \frac{a}{b}, \frac{-a}{b}, \frac{a}{-b}, and LaTeX's single-digit \frac34, \frac{12}3
+    r"|\\[dt]?frac(?:\{(?P<lnum>-?\d+)\}|(?P<lnum1>\d))(?:\{(?P<lden>-?\d+)\}|(?P<lden1>\d))"
     r")"
 )
+# Wrappers around a whole number that leave its value alone: {5}, (5), \left(5\right),
+# \mathbf{5}, \text{5}. Parentheses holding a comma are a tuple, not a number.
+_WRAPPER_RES = (
+    re.compile(r"\\(?:mathbf|textbf|text|mathrm|mbox)\s*\{([^{}]*)\}"),
+    re.compile(r"\{([^{}]*)\}"),
+    re.compile(r"\\left\s*\(([^(),]*)\\right\s*\)"),
+    re.compile(r"\(([^(),]*)\)"),
+)
+# Digits grouped by spaces: only as thousands (1 000 000); "12 3" is not 123.
+_SPACED_THOUSANDS_RE = re.compile(r"\d{1,3}(?: \d{3})+(?:\.\d+)?")
 _TRAILING_UNIT_RE = re.compile(r"\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")
 # "42 dollars", "7 apples per day": words of two or more letters after a space.
 _TRAILING_WORDS_RE = re.compile(r"(?<=\d)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]+)*\.?$")
@@ -155,6 +182,21 @@ def _strip_wrappers(s: str) -> str:
     return s
 
 
+_NOT_EQUATION_RE = re.compile(r"[<>!]=|=[<>]|\\(?:[lg]eq?|neq?)(?![A-Za-z])")
+_NAME_RE = re.compile(
+    r"\\?[A-Za-z]+(?:_\{?\w+\}?)?'*(?:\(\s*[A-Za-z]\s*\))?|\\text\s*\{[^{}]*\}"
+)
+
+
+def equation_sides(answer: str, gold: str) -> list[str] | None:
+    """The sides of an equation answer that must each equal the truth (names left out),
+    or None if `answer` is no equation or `gold` is one; see the module docstring."""
+    if "=" not in answer or "=" in gold or _NOT_EQUATION_RE.search(answer):
+        return None
+    sides = (side.strip() for side in answer.replace(":=", "=").split("="))
+    return [side for side in sides if side and not _NAME_RE.fullmatch(side)]
+
+
 def parse_simple_number(s: str) -> Fraction | None:
     """The exact value of a plainly written number, or None if `s` is anything else."""
     if len(s) > 4 * MAX_NUMBER_DIGITS:
@@ -165,10 +207,22 @@ def parse_simple_number(s: str) -> Fraction | None:
     s = _TRAILING_UNIT_RE.sub("", s)
     s = _TRAILING_WORDS_RE.sub("", s)
     for space in _LATEX_SPACES:
-        s = s.replace(space, "")
-    s = s.replace("{,}", ",").replace("\u2212", "-").replace(" ", "").rstrip(".")
+        s = s.replace(space, " ")
+    s = s.replace("{,}", ",").replace("\u2212", "-").strip().rstrip(".").strip()
+    for _ in range(3):
+        unwrapped = next((m[1].strip() for r in _WRAPPER_RES if (m := r.fullmatch(s))), s)
+        if unwrapped == s:
+            break
+        s = unwrapped
     if s.startswith("-\\$") or s.startswith("\\$"):
         s = s.replace("\\$", "", 1)
+    if s[:1] and s[0] in "+-":
+        s = s[0] + s[1:].lstrip()
+    if " " in s:
+        digits = s.lstrip("+-")
+        if not _SPACED_THOUSANDS_RE.fullmatch(digits):
+            return None
+        s = s.replace(" ", "")
     m = _SIMPLE_RE.fullmatch(s)
     if m is None or sum(c.isdigit() for c in s) > MAX_NUMBER_DIGITS:
         return None
@@ -180,7 +234,10 @@ def parse_simple_number(s: str) -> Fraction | None:
     elif m["frac_only"] is not None:
         value = Fraction(int(m["frac_only"]), 10 ** len(m["frac_only"]))
     else:
-        num, den = (m["num"], m["den"]) if m["num"] is not None else (m["lnum"], m["lden"])
+        if m["num"] is not None:
+            num, den = m["num"], m["den"]
+        else:
+            num, den = m["lnum"] or m["lnum1"], m["lden"] or m["lden1"]
         if int(den) == 0:
             return None
         value = Fraction(int(num), int(den))

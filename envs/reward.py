@@ -1,8 +1,9 @@
 """The verifier reward: `math_reward(completion, ground_truth) -> float`.
 
 Most answers are plain numbers and are decided in-process by the exact fast path of
-`envs.answers`. The rest goes to math-verify, which is not safe to run in the caller:
-its timeout is `signal.alarm` (it fails off the main thread, e.g. in a threaded Ray
+`envs.answers`, which also says how an equation answer is judged (every side that is not
+a bare name must equal the truth, so `19 = 18` scores 0 against 18). The rest goes to
+math-verify, which is not safe to run in the caller: its timeout is `signal.alarm` (it fails off the main thread, e.g. in a threaded Ray
 actor), hostile LaTeX can run for minutes or take gigabytes, and sympy's cache grows in
 long-lived processes. So math-verify runs only in `MathVerifier`'s child processes:
 fresh interpreters (`envs/_verify_child.py`) with integer math-verify timeouts, sympy's
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from fractions import Fraction
 
-from envs.answers import extract_answer, normalize_gold, parse_simple_number, to_text
+from envs.answers import equation_sides, extract_answer, normalize_gold, parse_simple_number, to_text
 
 MAX_SLOW_CHARS = 512
 """Longer extracted answers are judged wrong without math-verify (no real answer is)."""
@@ -58,6 +59,15 @@ class Verdict:
     """The final answer taken from the completion (None if it had none)."""
     verifier: str
     """Who decided: "fast" (in-process), "slow" (math-verify), "timeout" or "error"."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An answer math-verify must judge: correct iff each of `checks` equals `gold`."""
+
+    answer: str
+    checks: tuple[str, ...]
+    gold: str
 
 
 @lru_cache(maxsize=4096)
@@ -206,7 +216,12 @@ class MathVerifier:
         prepared = self._prepare(completion, ground_truth)
         if isinstance(prepared, Verdict):
             return prepared
-        return self._slow(*prepared)
+        return self._judge(prepared)
+
+    def math_verify(self, answer: str, ground_truth) -> Verdict:
+        """math-verify's own verdict on an extracted answer, without the fast path or the
+        equation rule: the reference the fast path is tested against."""
+        return self._slow(answer, _gold(str(ground_truth))[0])
 
     def score_batch(self, pairs) -> list[float]:
         """Rewards of (completion, ground_truth) pairs; slow ones run on all children at once."""
@@ -216,11 +231,13 @@ class MathVerifier:
         prepared = [self._prepare(c, g) for c, g in pairs]
         slow = [i for i, p in enumerate(prepared) if not isinstance(p, Verdict)]
         if len(slow) == 1:
-            prepared[slow[0]] = self._slow(*prepared[slow[0]])
+            prepared[slow[0]] = self._judge(prepared[slow[0]])
         elif slow:
-            with ThreadPoolExecutor(min(self.num_workers, len(slow))) as pool:
-                for i, verdict in zip(slow, pool.map(lambda i: self._slow(*prepared[i]), slow)):
-                    prepared[i] = verdict
+            jobs = [(i, answer) for i in slow for answer in prepared[i].checks]
+            with ThreadPoolExecutor(min(self.num_workers, len(jobs))) as pool:
+                verdicts = list(pool.map(lambda job: self._slow(job[1], prepared[job[0]].gold), jobs))
+            for i in slow:
+                prepared[i] = _combine(prepared[i], [v for (j, _), v in zip(jobs, verdicts) if j == i])
         return prepared
 
     def metrics(self, reset: bool = False) -> dict[str, int]:
@@ -267,7 +284,7 @@ class MathVerifier:
             self._count(reason)
         return Verdict(float(correct), correct, extracted, "fast")
 
-    def _prepare(self, completion, ground_truth) -> Verdict | tuple[str, str]:
+    def _prepare(self, completion, ground_truth) -> Verdict | _Pending:
         text = to_text(completion)
         if not isinstance(ground_truth, (str, int, Fraction)):
             raise TypeError(f"ground_truth must be str or int, got {type(ground_truth).__name__}")
@@ -277,13 +294,27 @@ class MathVerifier:
             return self._fast(False, None, "reward/no_answer")
         if found.hedged:
             return self._fast(False, found.answer, "reward/hedged")
-        if gold_value is not None:
-            value = parse_simple_number(found.answer)
-            if value is not None:
-                return self._fast(value == gold_value, found.answer)
+        sides = equation_sides(found.answer, gold)
+        checks = []
+        for side in [found.answer] if sides is None else sides:
+            value = parse_simple_number(side) if gold_value is not None else None
+            if value is not None and value != gold_value:
+                return self._fast(False, found.answer)
+            if value is None:
+                checks.append(side)
+        if not checks:  # every value given is the gold number; names only give none
+            return self._fast(sides != [], found.answer)
         if len(found.answer) > MAX_SLOW_CHARS or _nesting(found.answer) > MAX_SLOW_NESTING:
             return self._fast(False, found.answer, "reward/rejected")
-        return found.answer, gold
+        return _Pending(found.answer, tuple(checks), gold)
+
+    def _judge(self, pending: _Pending) -> Verdict:
+        verdicts = []
+        for answer in pending.checks:  # an equation's sides: stop at the first wrong one
+            verdicts.append(self._slow(answer, pending.gold))
+            if not verdicts[-1].correct:
+                break
+        return _combine(pending, verdicts)
 
     def _acquire(self) -> _Child:
         if os.getpid() != self._pid:
@@ -356,6 +387,14 @@ class MathVerifier:
             self._count("reward/errors")
             return Verdict(0.0, False, answer, "error")
         return Verdict(float(correct), correct, answer, "slow")
+
+
+def _combine(pending: _Pending, verdicts: list[Verdict]) -> Verdict:
+    """One verdict for an answer from those of its checks (all must be correct)."""
+    wrong = next((v for v in verdicts if not v.correct), None)
+    if wrong is None:
+        return Verdict(1.0, True, pending.answer, "slow")
+    return Verdict(0.0, False, pending.answer, wrong.verifier)
 
 
 _shared: MathVerifier | None = None

@@ -1,7 +1,7 @@
 """The `m2po` command line: train, eval, export, lab, report.
 
     m2po train [--config configs/default.yaml] [--stop-iters N] [--output DIR] [section.key=value ...]
-    m2po train --resume DIR
+    m2po train --resume DIR [run.key=value | training.lr=... (see run_dir.RESUME_SAFE)]
     m2po eval  --checkpoint DIR | --model builtin:arith-tiny  [--split heldout] [--samples k]
     m2po export --checkpoint DIR --out HF_DIR
     m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80]
@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-iters", type=int, default=None, help="training iterations (default: the config's)")
     p.add_argument("--stop-minutes", type=float, default=None, help="stop after this wall-clock time")
     p.add_argument("--output", default=None, help="run directory (default: runs/<config>-<time>)")
-    p.add_argument("--resume", default=None, help="continue the run in this directory")
+    p.add_argument(
+        "--resume", default=None,
+        help="continue the run in this directory; overrides may change run.*, training.lr and a few others",
+    )
     p.add_argument("--checkpoint-every", type=int, default=None, help="iterations between checkpoints")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-5")
@@ -84,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args) -> int:
+    if not os.environ.get("RAY_ADDRESS"):
+        # The local Ray this job starts: token authentication, as Ray does by default, but
+        # asked for explicitly, so Ray does not warn that it chose it. Set before Ray is
+        # imported (it reads the mode once). A cluster's (RAY_ADDRESS) own settings rule.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     from m2po_rllib.train import run_training
 
     return run_training(
@@ -154,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"m2po {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a job had anything to save (train handles its own)
+        print(f"m2po {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,15 +7,18 @@ names. `validate()` rejects inconsistent values with the setting, the value and 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from typing_extensions import Self
 
-from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+# DEPRECATED_VALUE: the -1 that RLlib's `get_state` drops (from where that method reads it).
+from ray.rllib.algorithms.algorithm_config import DEPRECATED_VALUE, AlgorithmConfig, NotProvided
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.annotations import override
 
+from m2po_rllib.config_checks import env_id_error, type_errors
 from m2po_rllib.losses import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -25,6 +28,14 @@ from m2po_rllib.losses import (
 )
 
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")
+
+
+@functools.cache
+def _rllib_deprecated_settings() -> frozenset[str]:
+    """The attributes RLlib itself initialises to `DEPRECATED_VALUE` (-1)."""
+    return frozenset(
+        k for k, v in AlgorithmConfig().__dict__.items() if type(v) is int and v == DEPRECATED_VALUE
+    )
 
 
 class M2POConfig(AlgorithmConfig):
@@ -238,6 +249,21 @@ class M2POConfig(AlgorithmConfig):
 
     # -- RLlib hooks ----------------------------------------------------------------------
     @override(AlgorithmConfig)
+    def get_state(self) -> dict[str, Any]:
+        """RLlib's state, keeping settings that are -1.
+
+        RLlib's `get_state` drops every value equal to `DEPRECATED_VALUE` (-1), and
+        `Algorithm.__init__` rebuilds the config from that state: `staleness=-1` would
+        silently become the default 0 and pass validation. Only RLlib's own deprecated
+        settings are dropped here, so `build_algo()` rejects -1 exactly as `validate()`.
+        """
+        state = super().get_state()
+        dropped = set(self.__dict__) - set(state) - {"algo_class", "_is_frozen"}
+        for name in dropped - _rllib_deprecated_settings():
+            state[name] = self.__dict__[name]
+        return state
+
+    @override(AlgorithmConfig)
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         from m2po_rllib.torch.rl_module import HFCausalLMModule
 
@@ -251,8 +277,11 @@ class M2POConfig(AlgorithmConfig):
 
     @override(AlgorithmConfig)
     def validate(self) -> None:
+        # Types first: RLlib's own checks fail with a traceback on e.g. lr="abc".
+        errors = type_errors(self)
+        if errors:
+            self._raise(errors)
         super().validate()
-        errors = []
 
         def bad(msg):
             errors.append(msg)
@@ -276,14 +305,21 @@ class M2POConfig(AlgorithmConfig):
                 f"`advantage_estimator` ({self.advantage_estimator!r}) must be one of "
                 f"{list(ADVANTAGE_ESTIMATORS)}"
             )
-        if not (isinstance(self.m2_threshold, (int, float)) and self.m2_threshold > 0):
+        if not self.m2_threshold > 0:
             bad(f"`m2_threshold` ({self.m2_threshold}) must be > 0; the paper uses 0.04")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
+        if isinstance(self.lr, (int, float)) and not self.lr > 0:
+            bad(f"`lr` ({self.lr}) must be > 0; the paper uses 1e-6, the built-in job 3e-5")
+        for name in ("eps_low", "eps_high", "weight_decay"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                bad(f"`{name}` ({getattr(self, name)}) must be >= 0")
+        if self.group_size < 2:
             bad(f"`group_size` ({self.group_size}) must be an int >= 2: group-relative advantages need 2+ samples per prompt")
         for name in ("prompts_per_step", "minibatch_prompts", "num_epochs", "max_new_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value < 1:
                 bad(f"`{name}` ({value}) must be a positive int")
+        if self.logp_mismatch_interval < 0:
+            bad(f"`logp_mismatch_interval` ({self.logp_mismatch_interval}) must be >= 0 (0 = never)")
         if errors:
             self._raise(errors)
         if self.minibatch_prompts > self.prompts_per_step:
@@ -296,11 +332,11 @@ class M2POConfig(AlgorithmConfig):
                 f"`prompts_per_step` ({self.prompts_per_step}) must be a multiple of "
                 f"`minibatch_prompts` ({self.minibatch_prompts})"
             )
-        elif not isinstance(self.staleness, int) or self.staleness < 0 or self.staleness % self.updates_per_step:
+        elif self.staleness < 0 or self.staleness % self.updates_per_step:
             bad(
                 f"`staleness` ({self.staleness}) must be a non-negative multiple of the optimizer "
                 f"updates per step ({self.updates_per_step} = num_epochs x prompts_per_step / "
-                f"minibatch_prompts); e.g. staleness={self.updates_per_step * max(1, round(self.staleness / self.updates_per_step)) if isinstance(self.staleness, int) else 0}"
+                f"minibatch_prompts); e.g. staleness={self.updates_per_step * max(1, round(self.staleness / self.updates_per_step))}"
             )
         runners = max(1, self.num_env_runners)
         if self.prompts_per_step % runners:
@@ -316,20 +352,34 @@ class M2POConfig(AlgorithmConfig):
             )
         if self.rollout_engine not in ROLLOUT_ENGINES:
             bad(f"`rollout_engine` ({self.rollout_engine!r}) must be one of {list(ROLLOUT_ENGINES)}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+        if not self.temperature > 0:
             bad(f"`temperature` ({self.temperature}) must be > 0 for training rollouts")
         if not (0 < self.top_p <= 1):
             bad(f"`top_p` ({self.top_p}) must be in (0, 1]")
-        if not (self.model_config or {}).get("model"):
+        model = (self.model_config or {}).get("model")
+        if not model:
             bad(
                 "no model: set `.rl_module(model_config={'model': <HF dir, hub name or "
                 "'builtin:arith-tiny'>})`"
             )
+        else:
+            from m2po_rllib.models.builtin import resolve_model_path
+
+            try:
+                resolve_model_path(model, check_hub=False)
+            except (ValueError, OSError) as e:
+                bad(str(e))
         if self.env is None:
             bad("no env: set `.environment('m2po/Arithmetic-v0', env_config={...})`")
+        elif (env_error := env_id_error(self.env)) is not None:
+            bad(env_error)
+        if self.evaluation_interval is not None and self.evaluation_interval < 0:
+            bad(f"`evaluation_interval` ({self.evaluation_interval}) must be >= 0 (0 or None = no evaluation)")
+        if self.evaluation_interval and self.evaluation_duration < 1:
+            bad(f"`evaluation_duration` ({self.evaluation_duration}) must be >= 1 held-out problem")
         if self.evaluation_interval and self.evaluation_duration_unit != "episodes":
             bad("`evaluation_duration_unit` must be 'episodes' (held-out problems) for M2PO")
-        if not isinstance(self.eval_samples, int) or self.eval_samples < 1:
+        if self.eval_samples < 1:
             bad(f"`eval_samples` ({self.eval_samples}) must be an int >= 1")
         for name in ("micro_batch_size",):
             value = getattr(self, name)
@@ -389,6 +439,8 @@ class M2POConfig(AlgorithmConfig):
 
     @staticmethod
     def _raise(errors):
+        if len(errors) == 1:
+            raise ValueError(f"Invalid M2POConfig: {errors[0]}")
         raise ValueError("Invalid M2POConfig:\n  - " + "\n  - ".join(errors))
 
     # -- YAML -----------------------------------------------------------------------------

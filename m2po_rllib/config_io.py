@@ -10,11 +10,15 @@
 
 Each section is passed as keyword arguments to the method of the same name, so the config
 object validates it; nothing is `exec`ed. Overrides use dotted keys: `training.lr=1e-5`.
+A key that is not an argument of that method (M2PO's or RLlib's) is an error that names
+the closest valid one.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import inspect
 import re
 from typing import Any
 
@@ -90,6 +94,29 @@ def load_spec(path: str) -> dict:
     return spec
 
 
+def section_settings(config_cls, section: str) -> list[str]:
+    """The keyword arguments of `config_cls.<section>()`, the class's and RLlib's."""
+    names = []
+    for cls in config_cls.__mro__:
+        method = cls.__dict__.get(section)
+        if method is None:
+            continue
+        for p in inspect.signature(method).parameters.values():
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in names:
+                names.append(p.name)
+    return names
+
+
+def _check_keys(config_cls, section: str, keys) -> None:
+    valid = section_settings(config_cls, section)
+    for key in keys:
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else f"see `M2POConfig.{section}()` for the settings"
+        raise ValueError(f"unknown setting `{section}.{key}`; {hint}")
+
+
 def config_from_spec(spec: dict, config_cls=None):
     if config_cls is None:
         from m2po_rllib.config import M2POConfig as config_cls
@@ -101,7 +128,10 @@ def config_from_spec(spec: dict, config_cls=None):
         )
     for section in SECTIONS:
         if section in spec and spec[section]:
+            if not isinstance(spec[section], dict):
+                raise ValueError(f"config section `{section}` must be a mapping of settings, got {spec[section]!r}")
             kwargs = dict(spec[section])
+            _check_keys(config_cls, section, kwargs)
             if section == "environment" and "env" in kwargs:
                 config.environment(kwargs.pop("env"), **kwargs)
                 continue

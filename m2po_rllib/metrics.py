@@ -91,3 +91,31 @@ def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any
     record["clipped_frac"] = first(result, CLIPPED_FRAC)
     record["entropy_clipped"] = first(result, ENTROPY_CLIPPED)
     return record
+
+
+# What TensorBoard gets by default besides the history record's fields: RLlib's timers and
+# the pace of the pipeline (`run.tensorboard: all` writes every number of the result).
+TENSORBOARD_PREFIXES = ("timers/", "async/", "learner/", "staleness/", "rollout/")
+
+
+def _numbers(result: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for key, value in result.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_numbers(value, name + "/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = float(value)
+    return out
+
+
+def tensorboard_scalars(result: dict, record: dict[str, Any], everything: bool = False) -> dict[str, float]:
+    """The scalars of one iteration: the history record's fields (as `history/<field>`) and
+    the result's timers and pipeline metrics; with `everything`, every number of the result."""
+    numbers = _numbers(result)
+    if not everything:
+        numbers = {k: v for k, v in numbers.items() if k.startswith(TENSORBOARD_PREFIXES)}
+    for field, value in record.items():
+        if field != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            numbers[f"history/{field}"] = float(value)
+    return numbers

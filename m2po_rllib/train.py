@@ -3,25 +3,27 @@ progress bar, TensorBoard scalars, checkpoints, a resumable run directory and a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
+import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.metrics import history_record
+from m2po_rllib import run_dir as runs
+from m2po_rllib.metrics import history_record, tensorboard_scalars
 
 # Keys shown on the progress line and in the summary.
 EVAL_ACC = ("evaluation", "env_runners", "eval/accuracy")
 REWARD = ("env_runners", "rollout/reward_mean")
-TRAIN_ACC = ("env_runners", "rollout/accuracy")
 TOKENS_PER_S = ("env_runners", "rollout/tokens_per_s")
-MASKED = ("learners", "default_policy", "m2po/masked_frac")
 CLIPPED_KEYS = ("grpo/clipped_frac", "gspo/clipped_frac", "m2po/clipped_frac")
 
-RUN_DEFAULTS = {"stop_iters": 100, "stop_minutes": None, "checkpoint_every": 10, "eval_at_start": True}
 
 
 def _get(result: dict, path: tuple, default=None):
@@ -37,20 +39,11 @@ def _get(result: dict, path: tuple, default=None):
     return node
 
 
-def _flatten(result: dict, prefix: str = "") -> dict[str, float]:
-    out = {}
-    for key, value in result.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[name] = float(value)
-    return out
-
-
 def _quiet() -> None:
     """Keep the job's output readable: RLlib's API-stack notices and transformers' weight
     loading bars say nothing actionable here. Errors still show."""
+    import ray.rllib  # noqa: F401  (importing it resets its logger's level: import first)
+
     logging.getLogger("ray.rllib").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
@@ -61,11 +54,14 @@ def _quiet() -> None:
 
 
 def _init_ray():
+    """Join the cluster in RAY_ADDRESS (as under `ray job submit`), else start a local Ray
+    of the job's own (never another local instance that happens to run)."""
     import ray
 
-    if not ray.is_initialized():
-        # Under `ray job submit` (RAY_ADDRESS set) this joins the cluster; else a local Ray.
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, ignore_reinit_error=True)
+    if ray.is_initialized():
+        return
+    address = None if os.environ.get("RAY_ADDRESS") else "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
 def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:
@@ -90,6 +86,42 @@ def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:
     return out
 
 
+class _CtrlC:
+    """SIGINT once the algorithm is built. Inside a training iteration (`step()`) the first
+    Ctrl-C asks to stop after it, since a half-done step is no consistent checkpoint; a
+    second one abandons the iteration. Anywhere else (held-out evaluation, between
+    iterations) it raises KeyboardInterrupt at once. `abandoned` tells the two apart."""
+
+    def __init__(self):
+        self.requested = False
+        self.abandoned = False
+        self._in_step = False
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame):
+        if self._in_step and not self.requested:
+            self.requested = True
+            print("\nCtrl-C: stopping after this iteration to save a checkpoint (Ctrl-C again to quit without it)", flush=True)
+            return
+        self.requested = True
+        self.abandoned = self._in_step
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def step(self):
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+
 def run_training(
     *,
     config_path: str | None,
@@ -101,120 +133,130 @@ def run_training(
     checkpoint_every: int | None = None,
     progress: bool = True,
 ) -> int:
-    from m2po_rllib.config_io import apply_overrides, config_from_spec, load_spec
-    from m2po_rllib.m2po import M2PO
-
     _quiet()
+    overrides = list(overrides or [])
+    changes: dict = {}
     if resume:
-        run_dir = Path(resume).resolve()
-        meta_path = run_dir / "run.json"
-        if not meta_path.exists():
-            raise FileNotFoundError(f"{meta_path} is missing: --resume takes a run directory of `m2po train`")
-        meta = json.loads(meta_path.read_text())
-        run = meta["run"]
+        if config_path:
+            raise ValueError("--config and --resume exclude each other: a resumed run keeps its config (change settings with overrides)")
+        run_dir, meta, run, config, changes = runs.resume_run(resume, overrides)
     else:
-        spec = apply_overrides(load_spec(config_path), overrides or [])
-        run = {**RUN_DEFAULTS, **(spec.pop("run", None) or {})}
-        unknown = set(run) - set(RUN_DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown `run` settings {sorted(unknown)}; valid: {sorted(RUN_DEFAULTS)}")
-        config = config_from_spec(spec)
-        config.validate()
-        name = Path(config_path).stem
-        # Absolute: RLlib's save_to_path reads a relative path as a URI without a scheme.
-        run_dir = Path(output or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        run_dir, meta, run, config = runs.new_run(config_path, overrides, output)
+    for key, value in (("stop_iters", stop_iters), ("stop_minutes", stop_minutes), ("checkpoint_every", checkpoint_every)):
+        if value is not None:
+            run[key] = value
+    created = not run_dir.exists()
+    if not resume:
         run_dir.mkdir(parents=True, exist_ok=True)
-        meta = {"config_path": str(config_path), "overrides": list(overrides or []), "spec": spec, "run": run}
-        (run_dir / "run.json").write_text(json.dumps(meta, indent=2, default=str))
-    if stop_iters is not None:
-        run["stop_iters"] = stop_iters
-    if stop_minutes is not None:
-        run["stop_minutes"] = stop_minutes
-    if checkpoint_every is not None:
-        run["checkpoint_every"] = checkpoint_every
+        runs.write_meta(run_dir, meta)
+    try:
+        _init_ray()
+        algo = runs.restore(run_dir, config, changes) if resume else config.build_algo()
+    except BaseException as e:
+        # Nothing was trained: a new run leaves no directory behind.
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            print("\ninterrupted before training started; nothing to save", file=sys.stderr)
+            return 130
+        raise
+    with _CtrlC() as ctrl_c:
+        return _train(algo, run_dir, run, ctrl_c, progress=progress, resumed=(meta, changes, overrides) if resume else None)
 
-    _init_ray()
-    ckpt_dir = run_dir / "checkpoint"
-    history_path = run_dir / "history.json"
-    history: list[dict] = json.loads(history_path.read_text()) if resume and history_path.exists() else []
-    if resume:
-        algo = M2PO.from_checkpoint(str(ckpt_dir))
-        print(f"resumed {run_dir} at iteration {algo.iteration}")
-    else:
-        algo = config.build_algo()
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    tb = SummaryWriter(str(run_dir / "tensorboard"))
+def _print_header(algo, run_dir: Path, run: dict) -> None:
+    cfg = algo.config
     print(f"run directory: {run_dir}")
     print(f"  TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
-    print(f"  checkpoint:  {ckpt_dir} (every {run['checkpoint_every']} iterations and at the end)")
-    cfg = algo.config
+    print(f"  checkpoint:  {run_dir / 'checkpoint'} (every {run['checkpoint_every']} iterations and at the end)")
     print(
         f"  {cfg.policy_loss} | staleness {cfg.staleness} updates | {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} samples | {cfg.updates_per_step} updates/step | engine "
-        f"{cfg.resolved_rollout_engine()} | model {cfg.model_config.get('model')}"
+        f"{cfg.resolved_rollout_engine()} | model {cfg.model_config.get('model')}",
+        flush=True,
     )
 
+
+def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, resumed) -> int:
+    """The loop; `resumed` is (run.json contents, changed settings, overrides) or None."""
+    ckpt_dir = run_dir / "checkpoint"
+    history_path = run_dir / "history.json"
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+    history: list[dict] = json.loads(history_path.read_text()) if resumed and history_path.exists() else []
+    summary = json.loads(summary_path.read_text()) if resumed and summary_path.exists() else {}
+    cfg = algo.config
     t_start = time.perf_counter()
     elapsed_before = float(summary.get("train_seconds", 0.0))
-    if "start_heldout_accuracy" not in summary and run.get("eval_at_start") and cfg.evaluation_interval:
-        summary["start_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
-        print(f"held-out accuracy before training: {summary['start_heldout_accuracy']:.3f}")
-    last_eval = summary.get("end_heldout_accuracy", summary.get("start_heldout_accuracy"))
-
-    interrupted = False
-
-    def _stop(signum, frame):
-        nonlocal interrupted
-        interrupted = True
-
-    previous = signal.signal(signal.SIGINT, _stop)
-    bar = None
+    tb = bar = None
     try:
+        if resumed:
+            meta, changes, overrides = resumed
+            print(f"resumed {run_dir} at iteration {algo.iteration}")
+            for key, (old, new) in changes.items():
+                print(f"  {key}: {old} -> {new}")
+            if changes:
+                meta.setdefault("resumes", []).append({"iteration": algo.iteration, "overrides": overrides})
+            runs.write_meta(run_dir, meta)
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(run_dir / "tensorboard"))
+        _print_header(algo, run_dir, run)
+        if (
+            "start_heldout_accuracy" not in summary
+            and algo.iteration == 0
+            and run.get("eval_at_start")
+            and cfg.evaluation_interval
+        ):
+            print("evaluating held-out accuracy before training (Ctrl-C saves a checkpoint)...", flush=True)
+            summary["start_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
+            print(f"held-out accuracy before training: {summary['start_heldout_accuracy']:.3f}", flush=True)
+        last_eval = summary.get("end_heldout_accuracy", summary.get("start_heldout_accuracy"))
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=run["stop_iters"], initial=algo.iteration, unit="it", dynamic_ncols=True)
-        while algo.iteration < run["stop_iters"] and not interrupted:
-            result = algo.train()
-            it = algo.iteration
-            last_eval = _get(result, EVAL_ACC, last_eval)
-            scalars = _flatten(result)
-            for key, value in scalars.items():
-                tb.add_scalar(key, value, it)
-            history.append(history_record(result, it, elapsed_before + time.perf_counter() - t_start))
-            line = _progress_line(result, last_eval)
-            if bar is not None:
-                bar.set_postfix(line, refresh=False)
-                bar.update(1)
-            else:
-                print(f"iter {it}: " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
-            if run["checkpoint_every"] and it % run["checkpoint_every"] == 0:
-                algo.save_to_path(str(ckpt_dir))
+        while algo.iteration < run["stop_iters"] and not ctrl_c.requested:
+            with ctrl_c.step():
+                result = algo.train()
+            last_eval = _log_iteration(
+                result, algo.iteration, history, tb, bar, last_eval, elapsed_before + time.perf_counter() - t_start,
+                tb_all=run["tensorboard"] == "all",
+            )
+            if run["checkpoint_every"] and algo.iteration % run["checkpoint_every"] == 0:
+                with ctrl_c.step():
+                    algo.save_to_path(str(ckpt_dir))
             minutes = (elapsed_before + time.perf_counter() - t_start) / 60
             if run.get("stop_minutes") and minutes >= run["stop_minutes"]:
                 print(f"\nstopping: {minutes:.1f} min >= stop_minutes={run['stop_minutes']}")
                 break
-    finally:
-        signal.signal(signal.SIGINT, previous)
         if bar is not None:
             bar.close()
-        algo.save_to_path(str(ckpt_dir))
-        history_path.write_text(json.dumps(history, indent=1))
-    if interrupted:
-        print(f"\ninterrupted: checkpoint saved to {ckpt_dir}; continue with `m2po train --resume {run_dir}`")
+            bar = None
+        with ctrl_c.step():
+            algo.save_to_path(str(ckpt_dir))
+        if not ctrl_c.requested and cfg.evaluation_interval:
+            summary["end_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        if ctrl_c.abandoned:
+            print("\nquit without saving the interrupted iteration", file=sys.stderr)
+        else:
+            with ctrl_c.step():
+                algo.save_to_path(str(ckpt_dir))
+    history_path.write_text(json.dumps(history, indent=1))
+    interrupted = ctrl_c.requested
+    if interrupted and runs.has_checkpoint(run_dir):
+        saved = "the last checkpoint is" if ctrl_c.abandoned else "checkpoint saved"
+        print(f"\ninterrupted: {saved} in {ckpt_dir}; continue with `m2po train --resume {run_dir}`")
+    elif interrupted:
+        print(f"\ninterrupted: no checkpoint was saved in {run_dir}", file=sys.stderr)
 
-    train_seconds = elapsed_before + time.perf_counter() - t_start
-    if not interrupted and cfg.evaluation_interval:
-        summary["end_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
     summary.update(
         {
             "iterations": algo.iteration,
             "policy_version": algo.policy_version,
-            "train_seconds": round(train_seconds, 1),
+            "train_seconds": round(elapsed_before + time.perf_counter() - t_start, 1),
             "policy_loss": cfg.policy_loss,
             "staleness": cfg.staleness,
             "final_train_reward": next((h["reward"] for h in reversed(history) if h["reward"] is not None), None),
@@ -227,10 +269,28 @@ def run_training(
         summary["rollout_tokens_per_s"] = sum(tok) / len(tok)
     summary_path.write_text(json.dumps(summary, indent=2))
     algo.stop()
-    tb.close()
+    if tb is not None:
+        tb.close()
     _print_summary(summary)
     print(f"summary written to {summary_path}")
     return 130 if interrupted else 0
+
+
+def _log_iteration(result: dict, it: int, history: list, tb, bar, last_eval, time_s: float, tb_all: bool = False):
+    """History row, TensorBoard scalars and the progress line of one iteration; returns
+    the latest held-out accuracy."""
+    last_eval = _get(result, EVAL_ACC, last_eval)
+    record = history_record(result, it, time_s)
+    history.append(record)
+    for key, value in tensorboard_scalars(result, record, everything=tb_all).items():
+        tb.add_scalar(key, value, it)
+    line = _progress_line(result, last_eval)
+    if bar is not None:
+        bar.set_postfix(line, refresh=False)
+        bar.update(1)
+    else:
+        print(f"iter {it}: " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    return last_eval
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

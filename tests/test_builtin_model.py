@@ -43,11 +43,59 @@ def test_builtin_name_resolves_from_another_cwd(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "build_info.json"} <= set(os.listdir(out))
 
 
-def test_other_names_pass_through_and_unknown_builtin_lists_the_known():
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    assert resolve_model_path(Path("some/dir")) == "some/dir"
-    with pytest.raises(ValueError, match="builtin:arith-tiny"):
+def test_model_dirs_and_cached_hub_names_pass_through(tmp_path, monkeypatch):
+    from huggingface_hub import constants as hub_constants
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert resolve_model_path(model_dir) == str(model_dir)
+    # A hub name in the local cache loads offline: it passes through as the name.
+    snapshot = tmp_path / "hub" / "models--some-org--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--some-org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("some-org/tiny") == "some-org/tiny"
+    # Not cached and offline: one line that says so.
+    with pytest.raises(ValueError) as err:
+        resolve_model_path("some-org/other")
+    assert str(err.value) == (
+        "model_config['model'] ('some-org/other'): no such directory, and the hub name is not in the "
+        "local Hugging Face cache while HF_HUB_OFFLINE is set; download it where the hub is reachable "
+        "(`hf download some-org/other`) or pass a local model directory"
+    )
+    # ... which a config may still name: validate() checks only that it is a hub name.
+    assert resolve_model_path("some-org/other", check_hub=False) == "some-org/other"
+
+
+FIX = "pass a HF model directory, a hub name (org/name) or 'builtin:arith-tiny'"
+
+
+@pytest.mark.parametrize("name", ["/no/such/dir", "~/no-such-model", "./missing", "a/b/c", "not a name!"])
+def test_models_that_cannot_exist_are_one_clear_line(name):
+    with pytest.raises(ValueError) as err:
+        resolve_model_path(name, check_hub=False)
+    assert str(err.value) == f"model_config['model'] ({name!r}): no such directory, and it is not a hub name; {FIX}"
+
+
+def test_unknown_builtin_lists_the_known():
+    with pytest.raises(ValueError) as err:
         resolve_model_path("builtin:no-such-model")
+    assert str(err.value) == (
+        "model_config['model'] ('builtin:no-such-model') is not a built-in model; "
+        "the built-in models are: builtin:arith-tiny"
+    )
+
+
+def test_a_directory_that_is_no_model_says_so(tmp_path):
+    with pytest.raises(ValueError, match="is a directory without config.json"):
+        resolve_model_path(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file, not a model directory"):
+        resolve_model_path(tmp_path / "weights.bin")
 
 
 def test_build_info_matches_the_registry():

@@ -290,6 +290,36 @@ def test_vllm_on_cpu_syncs_through_the_object_store_only(vllm_engine, tiny_model
         make_engine("vllm", tiny_model_dir, weight_transport="nccl")
 
 
+def test_vllm_reload_drops_only_the_rotary_warning():
+    """vLLM's layerwise reload (what every weight sync runs in the worker) reports a rotary
+    embedding's derived cache as "Failed to load weights"; the filter the sync installs
+    drops that line and keeps the same warning for a layer whose weights were not sent."""
+    import logging
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    from m2po_rllib.log_filters import quiet_vllm_rotary_reload
+
+    with set_current_vllm_config(VllmConfig()):
+        model = torch.nn.ModuleDict({"rope": get_rope(8, max_position=32), "proj": torch.nn.Linear(2, 2)})
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    logger.addHandler(handler)
+    try:
+        quiet_vllm_rotary_reload()
+        record_metadata_for_reloading(model)
+        initialize_layerwise_reload(model)  # a sync that sends no weights at all
+        finalize_layerwise_reload(model, None)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Linear: Failed to load weights"]
+
+
 def test_hf_engine_rejects_unknown_or_misshapen_weights(hf_engine):
     with pytest.raises(KeyError, match="not in the model"):
         hf_engine.update_weights({"model.nope.weight": torch.zeros(1)}, hf_engine.version + 1)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import envs
-from envs import ArithmeticTasks, DatasetTasks, MathTextEnv, Problem, render_prompt
+from envs import ArithmeticTasks, DatasetTasks, MathTextEnv, render_prompt
 from envs.arithmetic import in_heldout_region
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -364,7 +364,37 @@ def test_vector_env_as_rllib_builds_it():
     assert rewards.tolist() == [1.0] * 4 and terminated.all()
 
 
-def test_problem_is_a_frozen_record():
-    p = Problem("1+1", "2", "arith:1+1")
-    with pytest.raises(AttributeError):
-        p.answer = "3"
+def test_problems_handed_out_cannot_corrupt_the_task_source():
+    tasks = DatasetTasks(path=GSM8K, heldout_fraction=0.3)
+    held = tasks.heldout()
+    gold = [(p.question, p.answer, p.id) for p in held]
+    with pytest.raises(AttributeError):  # a caller "normalising" a gold answer in place
+        held[0].answer = "0"
+    held.clear()
+    assert [(p.question, p.answer, p.id) for p in tasks.heldout()] == gold
+    # Problems are values: the same problem from two sources is equal and dedupes in a set.
+    again = DatasetTasks(path=GSM8K, heldout_fraction=0.3).heldout()
+    assert again == tasks.heldout() and len(set(again + tasks.heldout())) == len(again)
+
+
+def test_dataset_problem_ids_are_the_same_in_every_process():
+    """`Problem.id` is stable across runs: not Python's salted `hash`, not an object id."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from envs import DatasetTasks;"
+        "t = DatasetTasks(path=sys.argv[1], heldout_fraction=0.3);"
+        "print(json.dumps([p.id for p in t.heldout()] + [t.problem(i).id for i in range(t.num_problems())]))"
+    )
+    tasks = DatasetTasks(path=GSM8K, heldout_fraction=0.3)
+    expected = [p.id for p in tasks.heldout()] + [tasks.problem(i).id for i in range(tasks.num_problems())]
+    assert len(set(expected)) == len(expected) == 12
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for hash_seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, GSM8K], capture_output=True, text=True, check=True, cwd=root,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": root},
+        )
+        assert json.loads(out.stdout) == expected

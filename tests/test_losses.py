@@ -403,6 +403,29 @@ def test_register_a_custom_loss():
         del POLICY_LOSSES["test_sign"]
 
 
+def test_loss_signatures_are_read_once_per_function(monkeypatch):
+    @register_policy_loss("test_once")
+    def scaled_loss(x, *, scale: float = 1.0):
+        return torch.where(x.usable, -scale * x.log_ratio * x.advantages, 0.0), {}
+
+    import m2po_rllib.losses.policy as policy
+
+    seen = []
+    real = policy.inspect.signature
+    monkeypatch.setattr(policy.inspect, "signature", lambda fn: seen.append(fn) or real(fn))
+    try:
+        logp, behavior, adv, valid, _ = random_batch(0)
+        for _ in range(3):  # three minibatches
+            compute_policy_loss("test_once", logp, behavior, adv, valid, scale=2.0)
+        params = policy_loss_params("test_once")
+        assert params == {"scale": 1.0}
+        params["scale"] = 5.0  # a caller's copy: the registry's defaults stay
+        assert policy_loss_params("test_once") == {"scale": 1.0}
+        assert seen.count(scaled_loss) == 1
+    finally:
+        del POLICY_LOSSES["test_once"]
+
+
 def test_no_ray_import():
     # In a fresh interpreter: other test modules of the session import Ray themselves.
     code = (

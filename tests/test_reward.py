@@ -107,6 +107,18 @@ def test_or_in_the_gold_answer_is_not_a_hedge(verifier):
         ("42 dollars", Fraction(42)),
         ("1{,}000", Fraction(1000)),
         ("\u22127", Fraction(-7)),
+        (r"\frac12", Fraction(1, 2)),
+        (r"\tfrac{12}3", Fraction(4)),
+        (r"\frac{-3}{4}", Fraction(-3, 4)),
+        (r"-\frac{3}{-4}", Fraction(3, 4)),
+        ("(5)", Fraction(5)),
+        ("{-5}", Fraction(-5)),
+        (r"\left( 5 \right)", Fraction(5)),
+        (r"\mathbf{5}", Fraction(5)),
+        (r"\text{-0.5}", Fraction(-1, 2)),
+        ("- 5", Fraction(-5)),
+        ("1 000 000", Fraction(10**6)),
+        (r"1\,000", Fraction(1000)),
         # Not simple numbers: left to math-verify.
         ("1,23", None),
         ("12,34,567", None),
@@ -116,6 +128,11 @@ def test_or_in_the_gold_answer_is_not_a_hedge(verifier):
         (r"\sqrt{2}", None),
         ("9" * 65, None),
         ("\u00b2", None),
+        ("12 3", None),  # spaces group thousands only
+        ("(1,2)", None),  # a tuple
+        (r"\frac123", None),  # \frac{1}{2}3
+        ("-(5)", None),
+        (r"\boldsymbol{5}", None),  # math-verify does not read it as 5
     ],
 )
 def test_parse_simple_number(text, value):
@@ -152,6 +169,90 @@ def test_equal_fractions_in_any_form_are_correct(a, b, k):
     assert FAST_ONLY.child_pids() == []
 
 
+def _numeric_forms(value: Fraction) -> tuple[list[str], list[str]]:
+    """(ways to write `value`, nearby wrong values), in the notations models use."""
+    n, d = value.numerator, value.denominator
+    right = [rf"\frac{{{2 * n}}}{{{2 * d}}}", rf"\dfrac{{{n}}}{{{d}}}", f"{{{n}/{d}}}" if d > 1 else f"{{{n}}}"]
+    if d == 1:
+        right += [str(n), f"{n}.0", f"({n})", rf"\mathbf{{{n}}}", rf"\text{{{n}}}", rf"\left({n}\right)", rf"\${n}"]
+        right += [f"+{n}"] if n >= 0 else [rf"-\frac{{{-2 * n}}}{{2}}", rf"\frac{{{n}}}{{1}}"]
+        right += [f"{n:,}"] if abs(n) >= 1000 else []
+    elif 10**6 % d == 0:
+        right += [str(float(value)), rf"\frac{{{-n}}}{{{-d}}}"]
+    wrong = [str(value + 1) if d == 1 else rf"\frac{{{n + 1}}}{{{d}}}", rf"\frac{{{n}}}{{{d + 1}}}"]
+    wrong += [str(-n)] if n and d == 1 else []
+    wrong += [str(10 * n)] if n and d == 1 else []
+    return right, wrong
+
+
+def _fixture_golds() -> list[str]:
+    import json
+
+    import pandas as pd
+
+    here = os.path.join(os.path.dirname(__file__), "fixtures")
+    with open(os.path.join(here, "gsm8k_sample.jsonl")) as f:
+        golds = [normalize_gold(json.loads(line)["answer"]) for line in f]
+    golds += [normalize_gold(a) for a in pd.read_parquet(os.path.join(here, "math_sample.parquet"))["answer"]]
+    return golds
+
+
+def test_numeric_answers_are_decided_in_process_as_math_verify_decides(verifier):
+    """The fast path against math-verify (run in its child, as the reference) on the
+    arithmetic held-out answers (sums; signed results of + - *) and the fixture datasets'
+    numeric answers, each written in the notations above, right and wrong."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envs import ArithmeticTasks
+
+    golds = [p.answer for p in ArithmeticTasks(digits=3).heldout()[:30]]
+    golds += [p.answer for p in ArithmeticTasks(digits=2, num_operands=3, operators="+-*").heldout()[:30]]
+    golds += [g for g in _fixture_golds() if parse_simple_number(g) is not None]
+    assert any(g.startswith("-") for g in golds) and any("frac" in g for g in golds)
+    cases = []
+    for gold in golds:
+        right, wrong = _numeric_forms(parse_simple_number(gold))
+        cases += [(answer, gold, 1.0) for answer in right] + [(answer, gold, 0.0) for answer in wrong]
+    fast = [FAST_ONLY.check(rf"so \boxed{{{a}}}.", g) for a, g, _ in cases]
+    assert [v.verifier for v in fast] == ["fast"] * len(cases)
+    assert FAST_ONLY.child_pids() == []
+    with ThreadPoolExecutor(verifier.num_workers) as pool:
+        reference = list(pool.map(lambda case: verifier.math_verify(case[0], case[1]), cases))
+    assert [v.verifier for v in reference] == ["slow"] * len(cases)
+    disagree = [(a, g, v.reward, r.reward) for (a, g, _), v, r in zip(cases, fast, reference) if v.reward != r.reward]
+    assert disagree == []
+    assert [v.reward for v in fast] == [want for _, _, want in cases]
+
+
+@pytest.mark.parametrize(
+    "answer, gold, reward, decided_by",
+    [
+        ("19 = 18", "18", 0.0, "fast"),  # a false equation, though its right-hand side is right
+        ("18 = 19", "18", 0.0, "fast"),
+        ("x = 18", "18", 1.0, "fast"),
+        ("18 = 18", "18", 1.0, "fast"),
+        (r"a_1 = f(x) = \frac{36}{2}", "18", 1.0, "fast"),
+        (r"\text{total} = 18", "18", 1.0, "fast"),
+        ("x = y", "18", 0.0, "fast"),  # names only: no value given
+        ("2 + 16 = 18", "18", 1.0, "slow"),  # the expression side goes to math-verify
+        ("2 + 17 = 18", "18", 0.0, "slow"),
+        ("y = x^2 + 1", "1+x^2", 1.0, "slow"),
+        ("x^2 = x^2 + 1", "1+x^2", 0.0, "slow"),
+        ("y = 2x + 3", "y = 3 + 2x", 1.0, "slow"),  # the gold is an equation: math-verify compares
+    ],
+)
+def test_an_equation_scores_only_if_every_side_is_the_answer(verifier, answer, gold, reward, decided_by):
+    verdict = verifier.check(rf"\boxed{{{answer}}}", gold)
+    assert (verdict.reward, verdict.verifier) == (reward, decided_by)
+    assert verifier.score_batch([(rf"\boxed{{{answer}}}", gold), (r"\boxed{\sqrt 2}", r"\sqrt{2}")]) == [reward, 1.0]
+
+
+def test_math_verify_alone_takes_the_right_hand_side(verifier):
+    """Why the equation rule exists: math-verify scores `19 = 18` as 18."""
+    assert verifier.math_verify("19 = 18", "18").reward == 1.0
+    assert verifier.check(r"\boxed{19 = 18}", "18").reward == 0.0
+
+
 def test_fast_path_starts_no_child():
     v = MathVerifier()
     pairs = [(r"\boxed{5}", "5"), ("#### 1,000", "1000"), ("nothing", "3"), (r"\boxed{ }", "3")]
@@ -184,7 +285,7 @@ def test_normalize_gold(gold, normalised):
     [
         (r"\boxed{\sqrt 2}", r"\sqrt{2}", 1.0),
         (r"\boxed{x^2+1}", "1+x^2", 1.0),
-        (r"\boxed{\frac{2}{4}}", r"\frac12", 1.0),
+        (r"\boxed{\frac{\sqrt{4}}{4}}", r"\frac12", 1.0),
         (r"\boxed{2\pi}", r"\pi", 0.0),
         (r"\boxed{\{2, -2\}}", r"\{-2, 2\}", 1.0),
         (r"\boxed{18, 19}", "18", 0.0),

@@ -9,6 +9,7 @@ tokens, aggregation, global counts and the common diagnostics.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ def register_policy_loss(name: str):
         return fn
 
     return deco
+
+
+@functools.cache
+def _signature_params(fn) -> dict[str, object]:
+    """The keyword-only parameters of `fn` with their defaults, read once per function:
+    `compute_policy_loss` runs every minibatch."""
+    sig = inspect.signature(fn)
+    return {p.name: p.default for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
 @dataclass(frozen=True)
@@ -193,14 +202,9 @@ def gspo_loss(x: PolicyLossInputs, *, eps_low: float = 3e-4, eps_high: float = 4
     return _ppo_clip(x, torch.exp(log_s), 1.0 - eps_low, 1.0 + eps_high, "gspo")
 
 
-def _loss_params(name: str, fn) -> dict[str, object]:
-    sig = inspect.signature(fn)
-    return {p.name: p.default for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY}
-
-
 def policy_loss_params(name: str) -> dict[str, object]:
     """The parameters loss `name` accepts, with their defaults."""
-    return _loss_params(name, _lookup(name))
+    return dict(_signature_params(_lookup(name)))
 
 
 def _lookup(name: str):
@@ -269,7 +273,7 @@ def compute_policy_loss(
     denominator, and are counted in `policy/nonfinite_tokens`.
     """
     fn = _lookup(name)
-    accepted = _loss_params(name, fn)
+    accepted = _signature_params(fn)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise TypeError(

@@ -1,8 +1,10 @@
 """Models shipped inside the package, so `make train` needs no model hub.
 
 `resolve_model_path("builtin:arith-tiny")` gives the directory of the shipped weights (a
-Hugging Face directory that transformers and vLLM load); any other name or path passes
-through unchanged. The weights are made by `scripts/build_builtin_model.py`.
+Hugging Face directory that transformers and vLLM load); a model directory or a hub name
+passes through unchanged once it is known to load, and anything else is one `ValueError`
+naming the setting, the value and the fix. The weights are made by
+`scripts/build_builtin_model.py`.
 """
 
 from __future__ import annotations
@@ -40,15 +42,81 @@ def builtin_dir(name: str) -> Path:
     return Path(str(files("m2po_rllib").joinpath("assets", name)))
 
 
-def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """The local directory of `builtin:<name>`; any other model name or path unchanged."""
+SETTING = "model_config['model']"
+_FIX = "pass a HF model directory, a hub name (org/name) or 'builtin:arith-tiny'"
+_TRUE = ("1", "on", "yes", "true")
+_hub_names_seen: set[str] = set()
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return constants.HF_HUB_OFFLINE or any(env)
+
+
+def _check_hub_name(name: str, loadable: bool) -> None:
+    """Raises ValueError unless `name` is a hub name and, with `loadable`, one that can be
+    loaded (cached, or found on a reachable hub; remembered for the process)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name in _hub_names_seen:
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"{SETTING} ({name!r}): no such directory, and it is not a hub name; {_FIX}") from None
+    if not loadable:
+        return
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        if _hub_offline():
+            raise ValueError(
+                f"{SETTING} ({name!r}): no such directory, and the hub name is not in the local "
+                f"Hugging Face cache while HF_HUB_OFFLINE is set; download it where the hub is "
+                f"reachable (`hf download {name}`) or pass a local model directory"
+            )
+        try:
+            hf_hub_download(name, "config.json")
+        except Exception as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(
+                f"{SETTING} ({name!r}): no such directory, and the hub cannot give it ({reason}); "
+                f"check the name and the network, or {_FIX}"
+            ) from None
+    _hub_names_seen.add(name)
+
+
+def _looks_local(text: str) -> bool:
+    return text.startswith(("/", ".", "~")) or text.count("/") > 1 or (os.sep != "/" and os.sep in text)
+
+
+def resolve_model_path(name_or_path: str | os.PathLike, *, check_hub: bool = True) -> str:
+    """The local directory of `builtin:<name>`; a model directory or a hub name unchanged.
+    Raises ValueError (setting, value, fix) for anything else, and, with `check_hub`, for a
+    hub name that cannot be loaded here (not cached, and offline or not found).
+    `M2POConfig.validate()` passes check_hub=False: a config naming a hub model is valid
+    on a machine without the hub; loading it is what fails there."""
     name_or_path = os.fspath(name_or_path)
     if not name_or_path.startswith(BUILTIN_PREFIX):
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(
+                    f"{SETTING} ({name_or_path!r}) is a directory without config.json, not a "
+                    f"Hugging Face model directory; {_FIX}"
+                )
+            return name_or_path
+        if path.exists():
+            raise ValueError(f"{SETTING} ({name_or_path!r}) is a file, not a model directory; {_FIX}")
+        if _looks_local(name_or_path):
+            raise ValueError(f"{SETTING} ({name_or_path!r}): no such directory, and it is not a hub name; {_FIX}")
+        _check_hub_name(name_or_path, loadable=check_hub)
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]
     if name not in BUILTIN_MODELS:
         known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
-        raise ValueError(f"unknown built-in model {name_or_path!r}; the built-in models are: {known}")
+        raise ValueError(f"{SETTING} ({name_or_path!r}) is not a built-in model; the built-in models are: {known}")
     path = builtin_dir(name)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(

@@ -21,6 +21,10 @@ from ray.rllib.utils.annotations import override
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
 
+from m2po_rllib.log_filters import quiet_rllib_module_config_deprecation
+
+quiet_rllib_module_config_deprecation()
+
 LOGP = "logp"
 ENTROPY = "entropy"
 

@@ -65,6 +65,7 @@ UPDATES_PER_S = "learner/updates_per_s"
 LOGP_MISMATCH_MAX = "rollout/logp_mismatch_max"
 LOGP_MISMATCH_MEAN = "rollout/logp_mismatch_mean"
 TOKENS_TRAINED_PER_S = "learner/tokens_per_s"
+LOGP_MISMATCH_TIMER = "logp_mismatch_timer"
 HELDOUT_ACCURACY = "heldout_accuracy"
 SAMPLE_TAG = "m2po_sample"
 POLL_S = 0.002
@@ -174,10 +175,11 @@ class M2PO(Algorithm):
         with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
             rollout, runner_metrics = self._sample_from_runners()
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
-        if cfg.recompute_behavior_logp:
-            self._recompute_behavior_logp(rollout)
-        elif cfg.logp_mismatch_interval and self._sample_round % cfg.logp_mismatch_interval == 0:
-            self._log_logp_mismatch(rollout)
+        with self.metrics.log_time((TIMERS, LOGP_MISMATCH_TIMER)):
+            if cfg.recompute_behavior_logp:
+                self._recompute_behavior_logp(rollout)
+            elif cfg.logp_mismatch_interval and self._sample_round % cfg.logp_mismatch_interval == 0:
+                self._log_logp_mismatch(rollout)
         self._sample_round += 1
 
         self._queue.append(rollout)

@@ -53,6 +53,9 @@ def _quiet() -> None:
         pass
 
 
+LOCAL_RAY_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 def _init_ray():
     """Join the cluster in RAY_ADDRESS (as under `ray job submit`), else start a local Ray
     of the job's own (never another local instance that happens to run)."""
@@ -60,8 +63,15 @@ def _init_ray():
 
     if ray.is_initialized():
         return
-    address = None if os.environ.get("RAY_ADDRESS") else "local"
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        return
+    # A local instance: no idle workers started ahead (the job's actors start their own;
+    # prestarted ones are ~80 MB each and compute nothing).
+    ray.init(
+        address="local", include_dashboard=False, logging_level=logging.WARNING,
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+    )
 
 
 def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:

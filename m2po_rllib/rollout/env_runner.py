@@ -33,7 +33,7 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from envs.reward import shared_verifier
 from m2po_rllib.rollout.batch import pack_rollouts
 from m2po_rllib.rollout.weights import PublishedWeights
-from m2po_rllib.threads import use_cpus
+from m2po_rllib.threads import cpus, use_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         settings = engine_settings(self.config)
         kwargs = dict(settings["engine_kwargs"])
         kwargs.setdefault("dtype", settings["dtype"])
+        if settings["kind"] == "vllm" and self.worker_index > 0:
+            kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
         if self._seed is not None:
             kwargs.setdefault("seed", self._seed)
         t0 = time.perf_counter()

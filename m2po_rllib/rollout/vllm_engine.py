@@ -73,6 +73,7 @@ class VLLMEngine(GenerationEngine):
         sync_chunk_bytes: int = DEFAULT_SYNC_CHUNK_BYTES,
         weight_transport: str = "auto",
         shutdown_timeout_s: float = 30.0,
+        num_threads: int | None = None,
         **llm_kwargs,
     ):
         """Defaults are chosen per platform:
@@ -90,6 +91,9 @@ class VLLMEngine(GenerationEngine):
         - `shutdown_timeout_s`: how long `shutdown()` lets the engine core tear down before
           killing it (vLLM's own default, 5 s, is too short on a busy CPU and leaks its
           shared memory; a clean exit takes ~7 s there).
+        - `num_threads`: CPU only: the worker's OpenMP threads, unbound (the EnvRunner passes
+          its CPU allocation; vLLM's own "auto" binding would pin threads to cores that other
+          processes of the job use). None keeps vLLM's binding.
         Other keyword arguments go to `vllm.LLM` unchanged.
         """
         from vllm import LLM
@@ -111,6 +115,9 @@ class VLLMEngine(GenerationEngine):
             llm_kwargs = {**NCCLTransport.LLM_KWARGS, **llm_kwargs}
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gb)))
+            if num_threads is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
         elif gpu_memory_utilization is not None:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.shutdown_timeout_s = shutdown_timeout_s

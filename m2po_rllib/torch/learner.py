@@ -278,13 +278,14 @@ class M2POTorchLearner(TorchLearner):
         metrics.update(
             {
                 # age in optimizer updates of this minibatch's rows when it is trained
+                "staleness/trained_min": now - float(version.max()),
                 "staleness/trained_mean": now - float(version.mean()),
                 "staleness/trained_max": now - float(version.min()),
                 MICRO_BATCHES: float(len(slices)),
             }
         )
         for key, value in metrics.items():
-            reduce = "max" if key.endswith("_max") else "mean"
+            reduce = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
             self.metrics.log_value((module_id, key), value, reduce=reduce)
         return total
 

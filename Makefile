@@ -30,10 +30,15 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
+# Each script prints its figures and writes bench/results/<name>.json; run with nothing
+# else on the machine (a second CPU-heavy process slows 2-thread torch 10-40x).
 bench: setup
 	$(PY) bench/bench_losses.py
 	$(PY) bench/bench_reward.py
 	$(PY) bench/bench_engines.py
+	$(PY) bench/bench_step.py
+	$(PY) bench/bench_async.py
+	$(PY) bench/bench_learner_memory.py
 	$(PY) bench/bench_main_job.py
 
 clean:

@@ -18,8 +18,16 @@ QWEN3, QWEN3_STALE0, QWEN25 = (
 
 @pytest.fixture(scope="module")
 def plans():
+    """The paper configs without micro-batching (the whole 64-sequence learner minibatch in
+    one forward/backward), the case the estimate and the recommendations are checked on."""
     assert len(PAPER_CONFIGS) == 3, PAPER_CONFIGS
-    return {path: plan(path, gpu_memory_gb=80) for path in PAPER_CONFIGS}
+    return {path: plan(path, gpu_memory_gb=80, overrides=["training.micro_batch_size=64"]) for path in PAPER_CONFIGS}
+
+
+def test_the_shipped_1_7b_configs_fit_80_gb_as_written():
+    for path in (QWEN3, QWEN3_STALE0):
+        p = plan(path, gpu_memory_gb=80)
+        assert p["micro_batch_size"] == 16 and p["fits"]["ddp"], path
 
 
 def test_gpu_counts_of_the_paper_configs(plans):

@@ -188,20 +188,12 @@ def ray_head():
 
 
 def _tiny_job_args(model_dir: str, output: Path) -> list[str]:
+    from test_cli import _overrides  # the CLI tests' tiny run
+
     return [
         "train", "--stop-iters", "2", "--output", str(output), "--no-progress",
-        f"rl_module.model_config.model={model_dir}",
-        "env_runners.num_env_runners=0",
-        "learners.num_learners=0",
-        "environment.env_config.digits=2",
-        "env_runners.max_new_tokens=4",
-        "training.prompts_per_step=4",
-        "training.group_size=4",
-        "training.minibatch_prompts=2",
-        "training.staleness=2",
-        "evaluation.evaluation_interval=2",
-        "evaluation.evaluation_duration=8",
-    ]  # fmt: skip
+        "env_runners.num_env_runners=0", "learners.num_learners=0", *_overrides(model_dir),
+    ]
 
 
 def test_submitted_train_job_succeeds_and_writes_its_summary(ray_head, tiny_model_dir, tmp_path):

@@ -6,7 +6,7 @@
   (every row tagged with the policy version that made it) -> push it into a FIFO queue and
   pop the round made `staleness` updates earlier (while the queue fills, nothing is
   trained) -> update the learners (`updates_per_step` minibatches) -> publish the weights.
-- asynchronous (`async_rollouts=True`, async_rollouts.py): keep rounds in flight on every
+- asynchronous (`async_rollouts=True`, async_step.py + async_rollouts.py): keep rounds in flight on every
   remote EnvRunner, admitted only if they will be trained within `max_staleness` updates
   of the weights that made them -> collect what is ready -> dispatch the next step to the
   learners without waiting (`async_update` with remote learners) -> publish the weights
@@ -42,10 +42,11 @@ from ray.rllib.utils.metrics import (
 
 import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib.async_rollouts import AsyncRollouts
+from m2po_rllib.async_step import QUEUE_LEN, AsyncTrainingStep
 from m2po_rllib.config import M2POConfig
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.rollout.batch import concat_rollouts, learner_order, num_rows, take_rows, to_train_batch
-from m2po_rllib.rollout.env_runner import sample_and_metrics
+from m2po_rllib.rollout.env_runner import round_seed, sample_and_metrics
 from m2po_rllib.rollout.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch.learner import POLICY_VERSION, UPDATE_SECONDS_KEY, WEIGHTS_KEY
@@ -55,10 +56,7 @@ logger = logging.getLogger(__name__)
 # Algorithm-level metric keys (README, "Metrics", says what each one means).
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
-QUEUE_LEN = "staleness/queue_len"
 FILLING = "staleness/filling"
-DROPPED_ROWS = "staleness/dropped_rows"
-ROUNDS_IN_FLIGHT = "async/rounds_in_flight"
 LEARNER_IDLE_FRAC = "async/learner_idle_frac"
 RUNNER_IDLE_FRAC = "async/runner_idle_frac"
 UPDATES_PER_S = "learner/updates_per_s"
@@ -67,8 +65,6 @@ LOGP_MISMATCH_MEAN = "rollout/logp_mismatch_mean"
 TOKENS_TRAINED_PER_S = "learner/tokens_per_s"
 LOGP_MISMATCH_TIMER = "logp_mismatch_timer"
 HELDOUT_ACCURACY = "heldout_accuracy"
-SAMPLE_TAG = "m2po_sample"
-POLL_S = 0.002
 
 
 class _IterationPace:
@@ -90,12 +86,7 @@ class _IterationPace:
         }
 
 
-def round_seed(base_seed: int | None, round_index: int) -> int:
-    """The seed of sampling round `round_index`: picks its prompts and seeds its sampler."""
-    return (base_seed or 0) * 1_000_003 + round_index
-
-
-class M2PO(Algorithm):
+class M2PO(AsyncTrainingStep, Algorithm):
     @classmethod
     @override(Algorithm)
     def get_default_config(cls) -> M2POConfig:
@@ -231,92 +222,6 @@ class M2PO(Algorithm):
         self._iter.runner_busy_s += sum(busy for _, _, busy in out)
         return concat_rollouts([b for b, _, _ in out]), [m for _, m, _ in out]
 
-    # -- asynchronous: request -> collect -> update -> publish -----------------------------
-    def _async_training_step(self) -> None:
-        cfg: M2POConfig = self.config
-        pipe = self._async
-        remote_learners = self.learner_group.is_remote
-        max_updates_in_flight = 2 if remote_learners else 1
-        deadline = time.monotonic() + cfg.sample_timeout_s
-        while True:
-            with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-                progressed = self._collect_rounds()
-                self._request_rounds()
-            if remote_learners and self._updates_in_flight:
-                progressed |= self._take_update_results(self._fetch_ready_updates())
-            if pipe.step_ready() and self._updates_in_flight < max_updates_in_flight:
-                batches = pipe.pop_step(self._dispatched_version)
-                if batches is not None:
-                    break
-                progressed = True  # rounds over the bound were dropped and re-requested
-            if progressed:
-                deadline = time.monotonic() + cfg.sample_timeout_s
-            elif time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"async rollouts made no progress for {cfg.sample_timeout_s} s (rounds in flight: "
-                    f"{pipe.num_in_flight()}, healthy runners: {self.env_runner_group.healthy_env_runner_ids()}, "
-                    f"updates in flight: {self._updates_in_flight}); see the runners' logs, or raise "
-                    "`sample_timeout_s` if one round takes longer"
-                )
-            else:
-                time.sleep(POLL_S)
-
-        self.metrics.log_value(DROPPED_ROWS, pipe.dropped_rows, window=1)
-        self.metrics.log_value(ROUNDS_IN_FLIGHT, pipe.num_in_flight(), window=1)
-        self.metrics.log_value(QUEUE_LEN, len(pipe.arrived), window=1)
-        batch = concat_rollouts(batches)
-        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
-            results = self._update(batch, async_update=remote_learners)
-        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self._take_update_results(results)
-            self._request_rounds()  # the new weights go out with the next requests at once
-
-    def _collect_rounds(self) -> bool:
-        """Files the rounds that are ready; requeues those of runners that died."""
-        group, pipe = self.env_runner_group, self._async
-        ready = group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=0.0)
-        for runner_id, (batch, metrics, busy_s) in ready:
-            pipe.received(runner_id, batch)
-            self.metrics.aggregate([metrics], key=ENV_RUNNER_RESULTS)
-            self._iter.runner_busy_s += busy_s
-        healthy = set(group.healthy_env_runner_ids())
-        lost = [r for r in list(pipe.in_flight) if r not in healthy and pipe.num_in_flight(r)]
-        for runner_id in lost:
-            rounds = pipe.lost(runner_id)
-            logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
-        if len(healthy) < group.num_remote_env_runners():
-            self.restore_env_runners(group)
-        return bool(ready or lost)
-
-    def _request_rounds(self) -> None:
-        """Sends every admissible round to a runner with room for one more request."""
-        cfg, group, pipe = self.config, self.env_runner_group, self._async
-        per_runner = cfg.prompts_per_step // cfg.num_env_runners
-        for runner_id in group.healthy_env_runner_ids():
-            while pipe.num_in_flight(runner_id) < cfg.max_requests_in_flight_per_env_runner:
-                n = pipe.next_request(self._weights.version, self._dispatched_version)
-                if n is None:
-                    return
-                sent = group.foreach_env_runner_async(
-                    sample_and_metrics,
-                    tag=SAMPLE_TAG,
-                    kwargs=dict(
-                        num_prompts=per_runner, seed=round_seed(cfg.seed, n), stream=0,
-                        weights=self._weights, first_sample_id=n * pipe.rows_per_round,
-                    ),
-                    remote_worker_ids=[runner_id],
-                )
-                if not sent:
-                    break  # RLlib's in-flight limit for this runner
-                pipe.sent(runner_id, n)
-
-    def _fetch_ready_updates(self) -> list[dict]:
-        """Results of asynchronous updates that are done, without sending another one
-        (`LearnerGroup.update(async_update=True)` polls the same way before it sends; Ray
-        2.60 has no public call for it)."""
-        group = self.learner_group
-        return group._get_results(group._worker_manager.fetch_ready_async_reqs(timeout_seconds=0.0))
-
     # -- learners -------------------------------------------------------------------------
     def _update(self, rollout: dict, *, async_update: bool) -> list[dict]:
         """Sends one step (a rollout batch) to the learners; returns the results ready now."""
@@ -412,22 +317,6 @@ class M2PO(Algorithm):
         rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
 
     # -- checkpoints: the stale queue and the rounds in flight are training state ---------
-    def _drain(self) -> None:
-        """Waits for every round and update in flight, so the state loses nothing."""
-        if self._async is None:
-            return
-        deadline = time.monotonic() + self.config.sample_timeout_s
-        while (self._async.num_in_flight() or self._updates_in_flight) and time.monotonic() < deadline:
-            self._collect_rounds()
-            if self._updates_in_flight:
-                self._take_update_results(self._fetch_ready_updates())
-            time.sleep(POLL_S)
-        if self._async.num_in_flight() or self._updates_in_flight:
-            raise RuntimeError(
-                f"checkpoint: {self._async.num_in_flight()} rounds and {self._updates_in_flight} updates "
-                f"still in flight after {self.config.sample_timeout_s} s"
-            )
-
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         self._drain()

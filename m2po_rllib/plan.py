@@ -255,7 +255,7 @@ def format_plan(p: dict) -> str:
     if m.max_positions and p["seq_len"] > m.max_positions:
         lines.append(f"  warning: sequences of {p['seq_len']} tokens exceed the model's max_position_embeddings ({m.max_positions})")
     n = max(1, p["num_learners"])
-    lines.append(f"Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
+    lines.append("Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
     lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)*':>17}")
     keys = list(dict.fromkeys([*p["memory"]["ddp"], *p["memory"]["fsdp"]]))
     for key in keys:

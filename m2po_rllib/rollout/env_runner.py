@@ -68,6 +68,11 @@ def engine_settings(config) -> dict[str, Any]:
     }
 
 
+def round_seed(base_seed: int | None, round_index: int) -> int:
+    """The seed of sampling round `round_index`: picks its prompts and seeds its sampler."""
+    return (base_seed or 0) * 1_000_003 + round_index
+
+
 class LLMEnvRunner(EnvRunner, Checkpointable):
     """Samples grouped completions for verifiable text tasks with an LLM engine."""
 

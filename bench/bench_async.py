@@ -118,7 +118,9 @@ def main() -> None:
         return
 
     load = os.getloadavg()[0]
-    report: dict = {"load_avg_1min_at_start": load, "base_overrides": BASE, "variants": VARIANTS}
+    # --only updates its part of an earlier report
+    report: dict = json.loads(RESULTS.read_text()) if args.only and RESULTS.exists() else {}
+    report.update({"load_avg_1min_at_start": load, "base_overrides": BASE, "variants": VARIANTS})
     if args.only in (None, "speed"):
         speed = {v: run(v, args.iters, 0, 0) for v in VARIANTS}
         tg, tt = speed["sync"]["generate_s_median"], speed["sync"]["update_s_median"]

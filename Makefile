@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab test test-fast bench clean
+.PHONY: setup train lab repro test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ train: setup
 # report (table + plots) in the experiment directory. `make lab ARGS="--out runs/lab/a"`.
 lab: setup
 	$(VENV)/bin/m2po lab --space $(SPACE) $(ARGS)
+
+# The paper's comparison in miniature (~30 min here): M2PO vs GRPO vs no trust region at
+# staleness 256 and M2PO on-policy, 3 seeds; the report lands in runs/repro/paper-mini/report.
+repro: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini.yaml --out runs/repro/paper-mini $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

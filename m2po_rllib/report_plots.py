@@ -2,6 +2,8 @@
 one colour per variant, mean over seeds with a +-1 std band, optimizer updates on x.
 
 - heldout_accuracy.png: held-out accuracy vs optimizer updates
+- reward.png: training reward (the current weights' sampled completions) vs optimizer
+  updates, at every training step (denser than the held-out evaluations)
 - final_vs_staleness.png: final held-out accuracy vs staleness, one line per loss (and tau, lr)
 - token_fraction.png: M2PO's masked vs the clip losses' clipped token fraction
 - entropy.png: entropy of masked / clipped tokens (dashed) vs all tokens (solid)
@@ -27,11 +29,13 @@ def _plt():
     return plt
 
 
-def _curve(variant: Variant, field: str, smooth: int = 1):
-    """(updates, mean, std) of `field` over the variant's runs, aligned by iteration."""
+def _curve(variant: Variant, field: str, smooth: int = 1, when: str | None = None):
+    """(updates, mean, std) of `field` over the variant's runs, aligned by iteration; with
+    `when`, only the iterations that carry that field (e.g. m2_before: the ones that trained)."""
     by_iter: dict[int, list[tuple[float, float]]] = {}
     for run in variant.runs:
-        values = [(h["iteration"], h.get("policy_version"), h.get(field)) for h in run.history]
+        history = [h for h in run.history if when is None or h.get(when) is not None]
+        values = [(h["iteration"], h.get("policy_version"), h.get(field)) for h in history]
         values = [(i, x, y) for i, x, y in values if x is not None and y is not None]
         if smooth > 1 and values:
             ys = np.convolve([y for *_, y in values], np.ones(smooth) / smooth, mode="valid")
@@ -74,7 +78,7 @@ NAMES = {
 
 
 def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: str, *, smooth=1, logy=False, pct=False,
-                   refs=()):
+                   refs=(), when=None):
     """One panel per staleness level; `fields` = [(field, linestyle)] drawn per variant; one
     legend for the figure (a variant has one colour in every panel)."""
     plt = _plt()
@@ -86,7 +90,7 @@ def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: s
     for ax, lvl in zip(axes[0], levels):
         for v in panels[lvl]:
             for f, style in fields:
-                xs, mean, std = _curve(v, f, smooth)
+                xs, mean, std = _curve(v, f, smooth, when)
                 if not len(xs):
                     continue
                 scale = 100.0 if pct else 1.0
@@ -144,6 +148,9 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
     paths = [
         _per_staleness(variants, out, "heldout_accuracy", [(HELDOUT_ACCURACY, "-")], "held-out accuracy",
                        "held-out greedy accuracy (mean ± std over seeds)"),
+        # the steps that trained: while the stale queue fills, every round is the base model's
+        _per_staleness(variants, out, "reward", [("reward", "-")], "training reward",
+                       "training reward of the current weights' samples" + avg, smooth=smooth, when="m2_before"),
         _final_vs_staleness(variants, out),
         _per_staleness(variants, out, "token_fraction", [("masked_frac", "-"), ("clipped_frac", "--")],
                        "tokens (%)", "masked (M2PO) vs clipped tokens" + avg,

@@ -22,7 +22,7 @@ import yaml
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = ("heldout_accuracy", "final_vs_staleness", "token_fraction", "entropy", "m2")
+FIGURES = ("heldout_accuracy", "reward", "final_vs_staleness", "token_fraction", "entropy", "m2")
 SMALL = [  # configs/default.yaml's task (3-digit addition), smaller steps
     "training.group_size=4",
     "training.prompts_per_step=8",

@@ -19,6 +19,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.annotations import override
 
 from m2po_rllib.config_checks import env_id_error, type_errors
+from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
 from m2po_rllib.losses import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -97,6 +98,10 @@ class M2POConfig(AlgorithmConfig):
         # Response positions per chunk of the log-prob / entropy computation: peak memory
         # O(micro_batch_size x logp_chunk_size x vocab) instead of the whole response.
         self.logp_chunk_size = 256
+        # How the learners hold the weights: "ddp" (RLlib's default: a full replica on each
+        # learner, gradients all-reduced) or "fsdp" (FSDP2: parameters, gradients and AdamW
+        # moments sharded over the learners; needs num_learners >= 2; torch/fsdp.py).
+        self.learner_sharding = "ddp"
         self.lr = 1e-6
         self.grad_clip = 1.0
         self.grad_clip_by = "global_norm"
@@ -154,6 +159,7 @@ class M2POConfig(AlgorithmConfig):
         broadcast_interval=NotProvided,
         micro_batch_size=NotProvided,
         logp_chunk_size=NotProvided,
+        learner_sharding=NotProvided,
         weight_decay=NotProvided,
         adam_betas=NotProvided,
         **kwargs,
@@ -179,6 +185,7 @@ class M2POConfig(AlgorithmConfig):
             broadcast_interval=broadcast_interval,
             micro_batch_size=micro_batch_size,
             logp_chunk_size=logp_chunk_size,
+            learner_sharding=learner_sharding,
             weight_decay=weight_decay,
             adam_betas=adam_betas,
         )
@@ -300,6 +307,13 @@ class M2POConfig(AlgorithmConfig):
             bad(f"`loss_agg_mode` ({self.loss_agg_mode!r}) must be one of {list(LOSS_AGG_MODES)}")
         if self.mask_scope not in MASK_SCOPES:
             bad(f"`mask_scope` ({self.mask_scope!r}) must be one of {list(MASK_SCOPES)}")
+        if self.learner_sharding not in SHARDINGS:
+            bad(f"`learner_sharding` ({self.learner_sharding!r}) must be one of {list(SHARDINGS)}")
+        elif self.learner_sharding == FSDP and self.num_learners < 2 and not self.in_evaluation:
+            bad(
+                f"`learner_sharding` ('fsdp') shards the weights over the learners, but `num_learners` is "
+                f"{self.num_learners}; set num_learners >= 2, or learner_sharding='ddp'"
+            )
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             bad(
                 f"`advantage_estimator` ({self.advantage_estimator!r}) must be one of "

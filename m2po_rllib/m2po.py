@@ -27,7 +27,7 @@ import ray
 import torch
 
 from ray.rllib.algorithms.algorithm import Algorithm
-from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core import COMPONENT_LEARNER_GROUP, DEFAULT_MODULE_ID
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics import (
@@ -280,10 +280,19 @@ class M2PO(AsyncTrainingStep, Algorithm):
     def learner_weights(self) -> PublishedWeights:
         """The first learner's current weights, published (RLlib's choice of learner in
         `LearnerGroup.get_state`)."""
+        return self._on_one_learner(lambda learner: learner.publish_weights(), forward=False)
+
+    @property
+    def _sharded_learners(self) -> bool:
+        return self.config.learner_sharding == "fsdp" and self.config.num_learners > 1
+
+    def _on_one_learner(self, fn, forward: bool = True):
+        """`fn(learner)` on the first learner, the one that answers; with sharded weights a
+        `forward` (a collective) runs on every learner and the first one's answer is kept."""
         group = self.learner_group
-        ids = None if group.is_local else group._worker_manager.healthy_actor_ids()[:1]
-        results = group.foreach_learner(lambda learner: learner.publish_weights(), remote_actor_ids=ids)
-        return group._get_results(results)[0]
+        every = forward and self._sharded_learners
+        ids = None if group.is_local or every else group._worker_manager.healthy_actor_ids()[:1]
+        return group._get_results(group.foreach_learner(fn, remote_actor_ids=ids))[0]
 
     # -- log-probs: the engine's against the learner's --------------------------------------
     def _logp_rows(self) -> int:
@@ -294,9 +303,7 @@ class M2PO(AsyncTrainingStep, Algorithm):
         minibatch's worth of rows."""
         rows = slice(0, min(self._logp_rows(), num_rows(rollout)))
         train = to_train_batch(take_rows(rollout, np.arange(num_rows(rollout))[rows]), np.zeros(rows.stop, np.float32))
-        group = self.learner_group
-        ids = None if group.is_local else group._worker_manager.healthy_actor_ids()[:1]
-        stats = group._get_results(group.foreach_learner(lambda learner: learner.logp_mismatch(train), remote_actor_ids=ids))[0]
+        stats = self._on_one_learner(lambda learner: learner.logp_mismatch(train))
         if stats:
             self.metrics.log_value(LOGP_MISMATCH_MAX, stats["max"], window=1)
             self.metrics.log_value(LOGP_MISMATCH_MEAN, stats["mean"], window=1)
@@ -320,6 +327,9 @@ class M2PO(AsyncTrainingStep, Algorithm):
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         self._drain()
+        if self._sharded_learners and self._check_component(COMPONENT_LEARNER_GROUP, components, not_components):
+            # the optimizer state is sharded: gathered to the first learner by all at once
+            self.learner_group.foreach_learner(lambda learner: learner.gather_optimizer_state())
         state = super().get_state(components, not_components=not_components, **kwargs)
         state["m2po"] = {
             "queue": list(self._queue),

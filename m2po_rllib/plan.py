@@ -205,7 +205,7 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
         "config": config_path, "groups": groups, "bundles": bundles, "dtype": dtype, "model": shape,
         "micro_batch_size": micro, "per_learner_sequences": per_learner, "logp_chunk_size": chunk,
         "prompt_len": prompt_len, "seq_len": seq_len, "gradient_checkpointing": bool(model_config.get("gradient_checkpointing")),
-        "num_learners": learners, "gpu_memory_gb": gpu_memory_gb, "memory": memory, "fits": fits,
+        "num_learners": learners, "sharding": config.learner_sharding, "gpu_memory_gb": gpu_memory_gb, "memory": memory, "fits": fits,
         "largest_micro_batch": best, "engine_gpu_memory_utilization": (config.engine_kwargs or {}).get("gpu_memory_utilization"),
         "rollout_engine": config.resolved_rollout_engine() if config.rollout_engine != "auto" else "auto",
         "engine_dtype": (config.engine_kwargs or {}).get("dtype", dtype), "minibatch_sequences": config.minibatch_prompts * config.group_size,
@@ -217,17 +217,17 @@ def _resources(bundle: dict) -> str:
 
 
 def recommendation(p: dict) -> str:
-    micro, best, n = p["micro_batch_size"], p["largest_micro_batch"], max(1, p["num_learners"])
-    if p["fits"]["ddp"]:
-        return f"fits as configured (DDP, micro_batch_size={micro})"
-    if best["ddp"]:
-        return f"set training.micro_batch_size={best['ddp']} (or lower); DDP then fits"
-    if best["fsdp"]:
-        keep = f"micro_batch_size={best['fsdp']}" if best["fsdp"] < micro else f"micro_batch_size={micro}"
+    micro, best, n, mode = p["micro_batch_size"], p["largest_micro_batch"], max(1, p["num_learners"]), p["sharding"]
+    if p["fits"][mode]:
+        over = f" over {n} learners" if mode == "fsdp" else ""
+        return f"fits as configured ({mode.upper()}{over}, micro_batch_size={micro})"
+    if best[mode]:
+        return f"set training.micro_batch_size={best[mode]} (or lower); {mode.upper()} then fits"
+    if mode == "ddp" and best["fsdp"] and n > 1:
+        also = f" and training.micro_batch_size={best['fsdp']}" if best["fsdp"] < micro else ""
         return (
-            f"a full replica does not fit even at micro_batch_size=1: it needs its weights sharded "
-            f"over the {n} learners (FSDP, {keep}), which this version of m2po-rllib does not "
-            "implement yet; use a larger device or a smaller model"
+            f"a full replica does not fit even at micro_batch_size=1: set training.learner_sharding=fsdp{also} "
+            f"(weights, gradients and AdamW moments sharded over the {n} learners)"
         )
     tip = "" if p["gradient_checkpointing"] else "enable gradient_checkpointing, "
     return f"does not fit even with FSDP at micro_batch_size=1: {tip}add learners, or use a larger device"
@@ -256,7 +256,7 @@ def format_plan(p: dict) -> str:
         lines.append(f"  warning: sequences of {p['seq_len']} tokens exceed the model's max_position_embeddings ({m.max_positions})")
     n = max(1, p["num_learners"])
     lines.append("Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
-    lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)*':>17}")
+    lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)':>17}")
     keys = list(dict.fromkeys([*p["memory"]["ddp"], *p["memory"]["fsdp"]]))
     for key in keys:
         cells = [f"{p['memory'][mode][key] / GiB:.1f}" if key in p["memory"][mode] else "-" for mode in ("ddp", "fsdp")]
@@ -269,7 +269,7 @@ def format_plan(p: dict) -> str:
     lines += [
         f"Device {p['gpu_memory_gb']:g} GiB (--gpu-memory-gb; {usable:.0f} usable): {verdict}; largest micro_batch_size dividing {p['per_learner_sequences']} that fits: {best}",
         f"Recommendation: {recommendation(p)}",
-        "  * FSDP is estimated for planning; the learner runs DDP replicas (FSDP is not implemented yet)",
+        f"  * this config runs {p['sharding'].upper()} (training.learner_sharding)",
     ]
     util = p["engine_gpu_memory_utilization"]
     if p["rollout_engine"] == "vllm" and util:

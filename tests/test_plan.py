@@ -24,10 +24,15 @@ def plans():
     return {path: plan(path, gpu_memory_gb=80, overrides=["training.micro_batch_size=64"]) for path in PAPER_CONFIGS}
 
 
-def test_the_shipped_1_7b_configs_fit_80_gb_as_written():
+def test_the_shipped_configs_fit_80_gb_as_written():
     for path in (QWEN3, QWEN3_STALE0):
         p = plan(path, gpu_memory_gb=80)
-        assert p["micro_batch_size"] == 16 and p["fits"]["ddp"], path
+        assert p["sharding"] == "ddp" and p["micro_batch_size"] == 16 and p["fits"]["ddp"], path
+    p = plan(QWEN25, gpu_memory_gb=80)  # 7B: no replica fits; sharded over the 8 learners it does
+    assert p["sharding"] == "fsdp" and p["micro_batch_size"] == 8 and p["fits"]["fsdp"] and not p["fits"]["ddp"]
+    assert recommend_text(p) == "fits as configured (FSDP over 8 learners, micro_batch_size=8)"
+    as_ddp = plan(QWEN25, gpu_memory_gb=80, overrides=["training.learner_sharding=ddp"])
+    assert "set training.learner_sharding=fsdp" in recommend_text(as_ddp)
 
 
 def test_gpu_counts_of_the_paper_configs(plans):
@@ -78,8 +83,10 @@ def test_memory_estimate_equals_the_hand_computation(plans):
 
 
 def test_recommendations(plans):
-    p7 = plans[QWEN25]
-    assert "FSDP" in recommend_text(p7)
+    p7 = plans[QWEN25]  # FSDP, all 64 sequences in one micro-batch: too many
+    best7 = p7["largest_micro_batch"]["fsdp"]
+    assert not p7["fits"]["fsdp"] and 8 <= best7 < 64
+    assert recommend_text(p7) == f"set training.micro_batch_size={best7} (or lower); FSDP then fits"
     p17 = plans[QWEN3]
     best = p17["largest_micro_batch"]["ddp"]
     assert not p17["fits"]["ddp"] and 1 <= best < 64 and 64 % best == 0

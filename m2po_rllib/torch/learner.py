@@ -35,6 +35,7 @@ from ray.rllib.utils.annotations import override
 from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
 from m2po_rllib.rollout.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
+from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
 
 logger = logging.getLogger(__name__)
@@ -142,12 +143,41 @@ class M2POTorchLearner(TorchLearner):
     def build(self) -> None:
         if self.config.num_learners > 0:
             use_cpus(self.config.num_cpus_per_learner)  # a learner actor: its own CPUs
+        # FSDP2 over the learners (torch/fsdp.py) instead of RLlib's DDP replicas
+        self._sharded = self.config.learner_sharding == fsdp.FSDP and self.config.num_learners > 1
+        self._gathered_optimizer_state: dict | None = None
         super().build()
         for module_id in self.module.keys():
             module = self.module[module_id].unwrapped()
             module.temperature = float(self.config.temperature)  # that of the runners' sampling
             module.logp_chunk_size = int(self.config.logp_chunk_size)
         self._grads_finite: dict[str, bool] = {}
+        self._refresh_full_weights()
+
+    @override(TorchLearner)
+    def _make_module(self):
+        module = super()._make_module()  # on this learner's device
+        if self._sharded:  # before the optimizers are built: sharding replaces the parameters
+            for module_id in module.keys():
+                module[module_id].shard()
+        return module
+
+    @override(TorchLearner)
+    def _make_modules_ddp_if_necessary(self) -> None:
+        if not self._sharded:
+            super()._make_modules_ddp_if_necessary()
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if _world_size() > 1 else 0
+
+    def _refresh_full_weights(self) -> None:
+        """Sharded: gather the whole weights to rank 0's CPU (every learner at once, after
+        each update and each set_state), so that `get_state` on the first learner, which
+        is all RLlib asks, needs no collective."""
+        if self._sharded:
+            for module_id in self.module.keys():
+                self.module[module_id].unwrapped().gather_full_weights()
 
     @property
     def policy_version(self) -> int:
@@ -155,9 +185,12 @@ class M2POTorchLearner(TorchLearner):
         return int(self.module[DEFAULT_MODULE_ID].unwrapped().policy_version)
 
     # -- weights for the EnvRunners -------------------------------------------------------
-    def publish_weights(self) -> PublishedWeights:
+    def publish_weights(self) -> PublishedWeights | None:
         """The current weights, published once for every runner: `ray.put` from this process
-        when runners are remote (the driver passes the reference on), else in process."""
+        when runners are remote (the driver passes the reference on), else in process.
+        Only the first learner publishes (the others return None)."""
+        if self._rank != 0:
+            return None
         state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
         cfg = self.config
         remote = cfg.num_learners > 0 or cfg.num_env_runners > 0 or cfg.evaluation_num_env_runners > 0
@@ -170,6 +203,7 @@ class M2POTorchLearner(TorchLearner):
         it took (`_update_seconds`, for the learner's idle fraction)."""
         t0 = time.perf_counter()
         result = super().update(*args, **kwargs)
+        self._refresh_full_weights()
         if return_state:
             result[WEIGHTS_KEY] = self.publish_weights()
         result[UPDATE_SECONDS_KEY] = time.perf_counter() - t0
@@ -183,13 +217,16 @@ class M2POTorchLearner(TorchLearner):
         n = len(batch["response_mask"])
         start, stop = (0, n) if rows is None else (rows.start or 0, n if rows.stop is None else rows.stop)
         micro = self.config.micro_batch_size or max(1, stop - start)
+        # sharded: every learner runs as many forwards (collectives) as the busiest one
+        slices, padding = fsdp.equal_slices(stop - start, micro, self._sharded, self._device)
         out = []
         with torch.no_grad():
-            for i in range(start, stop, micro):
-                sl = slice(i, min(i + micro, stop))
-                part = {k: _tensor(v[sl], self._device) for k, v in batch.items()}
+            for sl in slices:
+                part = {k: _tensor(v[start + sl.start : start + sl.stop], self._device) for k, v in batch.items()}
                 logp, _ = module.response_logp(part, with_entropy=False)
                 out.append(logp.float().cpu().numpy())
+            for _ in range(padding):
+                module.response_logp({k: _tensor(v[:1], self._device) for k, v in batch.items()}, with_entropy=False)
         return np.concatenate(out) if out else np.zeros((0, batch["response_mask"].shape[1]), np.float32)
 
     def response_logp_share(self, batch: dict[str, Any]) -> tuple[int, np.ndarray]:
@@ -235,7 +272,8 @@ class M2POTorchLearner(TorchLearner):
         group = None if scope_global else LOCAL
         n = len(mb["response_mask"])
         micro = cfg.micro_batch_size or n
-        slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+        # sharded: every learner runs as many forward/backwards (collectives) as the busiest
+        slices, padding = fsdp.equal_slices(n, micro, self._sharded, self._device)
         valid = mb["response_mask"] > 0
 
         # The whole minibatch's counts (over every learner with the global scope).
@@ -245,7 +283,7 @@ class M2POTorchLearner(TorchLearner):
         n_tokens, n_seqs = counts.tolist()
         params = cfg.policy_loss_params()
         keep = None
-        if len(slices) > 1 and scope_global and cfg.policy_loss in ("m2po", "m2po_official"):
+        if len(slices) + padding > 1 and scope_global and cfg.policy_loss in ("m2po", "m2po_official"):
             logp = torch.as_tensor(self.response_logp(mb), device=self._device)  # (B, R)
             log_ratio = logp - mb["behavior_logp"].float()
             if cfg.policy_loss == "m2po":
@@ -256,7 +294,7 @@ class M2POTorchLearner(TorchLearner):
 
         ctx = _Minibatch(
             n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=params, keep=keep,
-            mask_scope=cfg.mask_scope if len(slices) == 1 else "local",
+            mask_scope=cfg.mask_scope if len(slices) + padding == 1 else "local",
         )
         total = torch.zeros((), device=self._device)
         ddp = hasattr(module, "no_sync")
@@ -271,6 +309,9 @@ class M2POTorchLearner(TorchLearner):
                 # Parts add up to the minibatch's loss; DDP averages over ranks, hence * world.
                 (loss * world if world > 1 else loss).backward()
             total = total + loss.detach()
+        for _ in range(padding):  # a forward/backward whose gradient is zero
+            pad = {k: v[:1] for k, v in mb.items()}
+            (module.forward_train(pad)[LOGP].sum() * 0.0).backward()
 
         version = mb["policy_version"].double()
         now = float(module.unwrapped().policy_version)
@@ -326,7 +367,7 @@ class M2POTorchLearner(TorchLearner):
                 module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
             )
         grads = list(module_gradients_dict.values())
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = fsdp.full_tensor(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
         finite = bool(torch.isfinite(norm))
         self._grads_finite[module_id] = finite
         if finite and config.grad_clip:
@@ -349,3 +390,44 @@ class M2POTorchLearner(TorchLearner):
             inner = self.module[module_id].unwrapped()
             inner.policy_version += 1
             self.metrics.log_value((module_id, POLICY_VERSION), inner.policy_version, window=1)
+
+    # -- sharded state ---------------------------------------------------------------------
+    @override(TorchLearner)
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        self._refresh_full_weights()
+
+    def gather_optimizer_state(self) -> None:
+        """Sharded: gather the whole optimizer state to rank 0 for the next `get_state`
+        (every learner at once; `M2PO.get_state` asks them before a checkpoint)."""
+        if self._sharded:
+            self._gathered_optimizer_state = {
+                name: {
+                    "module_id": self._optimizer_name_to_module[name],
+                    "state": fsdp.full_optimizer_state(self._model_of(name), optim),
+                }
+                for name, optim in self._named_optimizers.items()
+            }
+
+    def _model_of(self, optimizer_name: str) -> torch.nn.Module:
+        return self.module[self._optimizer_name_to_module[optimizer_name]].unwrapped().model
+
+    @override(TorchLearner)
+    def _get_optimizer_state(self):
+        if not self._sharded:
+            return super()._get_optimizer_state()
+        if self._gathered_optimizer_state is None:
+            raise RuntimeError(
+                "the optimizer state is sharded over the learners: gather it on every learner first "
+                "(`learner.gather_optimizer_state()`, as M2PO.get_state / save_to_path do)"
+            )
+        state, self._gathered_optimizer_state = self._gathered_optimizer_state, None
+        return state
+
+    @override(TorchLearner)
+    def _set_optimizer_state(self, state) -> None:
+        if not self._sharded:
+            return super()._set_optimizer_state(state)
+        for name, entry in state.items():
+            if name in self._named_optimizers:
+                fsdp.load_full_optimizer_state(self._model_of(name), self._named_optimizers[name], entry["state"])

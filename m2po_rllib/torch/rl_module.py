@@ -18,6 +18,7 @@ import torch
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 
+from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
 
@@ -103,14 +104,37 @@ class HFCausalLMModule(TorchRLModule):
             self.model.gradient_checkpointing_enable()
         # Optimizer updates applied to these weights: the version rollouts are tagged with.
         self.policy_version = 0
+        # With sharded weights (`shard`), the FSDP root unit that runs the log-probs; kept
+        # out of the module's registry so the parameters keep their `model.` names.
+        self.__dict__["_sharded_root"] = None
+        self._full_weights: dict[str, torch.Tensor] = {}  # sharded: rank 0's gathered copy
+
+    @property
+    def sharded(self) -> bool:
+        return self._sharded_root is not None
+
+    def shard(self) -> None:
+        """Shards the weights over the learners' process group (FSDP2, `torch/fsdp.py`)."""
+        self.__dict__["_sharded_root"] = fsdp.shard(self.model, chunked_response_logp, self.compute_dtype)
+
+    def gather_full_weights(self) -> None:
+        """Sharded: gather the whole weights to rank 0's CPU, what `get_state` returns
+        (a collective: every learner calls it at once, after each update)."""
+        self._full_weights = fsdp.full_state_dict(self.model)
 
     def response_logp(self, batch: dict[str, Any], with_entropy: bool = True):
         """`(logp, entropy)` of the batch's response tokens, each `(B, R)` float32, with
         memory bounded by `logp_chunk_size` (`m2po_rllib.torch.logp`)."""
-        return chunked_response_logp(
-            self.model, batch, temperature=self.temperature, chunk_size=self.logp_chunk_size,
-            with_entropy=with_entropy, compute_dtype=self.compute_dtype,
-        )
+        kwargs = dict(temperature=self.temperature, chunk_size=self.logp_chunk_size, with_entropy=with_entropy,
+                      compute_dtype=self.compute_dtype)
+        if self._sharded_root is None:
+            return chunked_response_logp(self.model, batch, **kwargs)
+        out = self._sharded_root(batch, **kwargs)
+        if not torch.is_grad_enabled():
+            # FSDP keeps the root's gathered weights until a backward, which a no-grad
+            # forward never runs: free them, or the next forward would use them stale
+            self._sharded_root.reshard()
+        return out
 
     @override(TorchRLModule)
     def _forward_train(self, batch: dict[str, Any], **kwargs) -> dict[str, Any]:
@@ -127,12 +151,16 @@ class HFCausalLMModule(TorchRLModule):
     # On CPU these share memory with the parameters (as RLlib's numpy conversion does):
     # whoever keeps the state past the next update copies it (a checkpoint or `ray.put`
     # serialises at once; `PublishedWeights.publish` clones for in-process runners).
+    # Sharded: rank 0 returns the whole weights its learner gathered after the last update
+    # (`gather_full_weights`; the other ranks return none), and every rank loads its shards
+    # from a whole state.
     @override(TorchRLModule)
     def get_state(self, components=None, *, not_components=None, inference_only=False, **kwargs):
-        return {
-            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "policy_version": int(self.policy_version),
-        }
+        if self.sharded:
+            weights = dict(self._full_weights)
+        else:
+            weights = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return {"weights": weights, "policy_version": int(self.policy_version)}
 
     @override(TorchRLModule)
     def set_state(self, state: dict) -> None:
@@ -140,6 +168,9 @@ class HFCausalLMModule(TorchRLModule):
             weights = {
                 k: torch.as_tensor(v) for k, v in state["weights"].items()
             }
-            self.model.load_state_dict(weights, strict=True)
+            if self.sharded:
+                fsdp.load_full_state_dict(self.model, weights)
+            else:
+                self.model.load_state_dict(weights, strict=True)
         if "policy_version" in state:
             self.policy_version = int(state["policy_version"])

@@ -54,10 +54,10 @@ def test_paper_config_places_8_runners_and_8_learners_on_separate_gpus(name):
     assert pgf.strategy == config.placement_strategy
 
 
-def test_default_config_is_one_cpu_process():
-    _, pgf = resource_request("default")
-    assert pgf.bundles == [{"CPU": 1.0}]
-    assert pgf.required_resources == {"CPU": 1.0}
+def test_default_config_is_one_process_with_both_laptop_cpus():
+    _, pgf = resource_request("default")  # it samples and trains in the driver, 2 torch threads
+    assert pgf.bundles == [{"CPU": 2.0}]
+    assert pgf.required_resources == {"CPU": 2.0}
 
 
 def test_gpu_counts_follow_the_config():

@@ -50,3 +50,18 @@ def quiet_vllm_rotary_reload() -> None:
         and bool(r.args)
         and str(r.args[0]).endswith("RotaryEmbedding"),
     )
+
+
+def quiet_gputil_hint_without_gpus() -> None:
+    """Every Ray Tune `Trainable` (an RLlib `Algorithm` is one) starts a system-usage monitor
+    that logs "Install gputil for GPU system monitoring." when GPUtil is missing, also on a
+    machine without GPUs, where there is nothing for it to monitor. Dropped only there."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    _install(
+        "ray.tune.utils.util",
+        "m2po:gputil-hint",
+        lambda r: r.getMessage() == "Install gputil for GPU system monitoring.",
+    )

@@ -44,6 +44,7 @@ import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib.async_rollouts import AsyncRollouts
 from m2po_rllib.async_step import QUEUE_LEN, AsyncTrainingStep
 from m2po_rllib.config import M2POConfig
+from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.rollout.batch import concat_rollouts, learner_order, num_rows, take_rows, to_train_batch
 from m2po_rllib.rollout.env_runner import round_seed, sample_and_metrics
@@ -51,6 +52,7 @@ from m2po_rllib.rollout.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch.learner import POLICY_VERSION, UPDATE_SECONDS_KEY, WEIGHTS_KEY
 
+quiet_gputil_hint_without_gpus()
 logger = logging.getLogger(__name__)
 
 # Algorithm-level metric keys (README, "Metrics", says what each one means).

@@ -145,7 +145,7 @@ class M2POTorchLearner(TorchLearner):
             use_cpus(self.config.num_cpus_per_learner)  # a learner actor: its own CPUs
         # FSDP2 over the learners (torch/fsdp.py) instead of RLlib's DDP replicas
         self._sharded = self.config.learner_sharding == fsdp.FSDP and self.config.num_learners > 1
-        self._gathered_optimizer_state: dict | None = None
+        self._gathered_optimizer_state: tuple[int, dict] | None = None  # (policy version, state)
         super().build()
         for module_id in self.module.keys():
             module = self.module[module_id].unwrapped()
@@ -401,7 +401,7 @@ class M2POTorchLearner(TorchLearner):
         """Sharded: gather the whole optimizer state to rank 0 for the next `get_state`
         (every learner at once; `M2PO.get_state` asks them before a checkpoint)."""
         if self._sharded:
-            self._gathered_optimizer_state = {
+            self._gathered_optimizer_state = self.policy_version, {
                 name: {
                     "module_id": self._optimizer_name_to_module[name],
                     "state": fsdp.full_optimizer_state(self._model_of(name), optim),
@@ -416,12 +416,13 @@ class M2POTorchLearner(TorchLearner):
     def _get_optimizer_state(self):
         if not self._sharded:
             return super()._get_optimizer_state()
-        if self._gathered_optimizer_state is None:
+        version, state = self._gathered_optimizer_state or (None, None)
+        self._gathered_optimizer_state = None
+        if version != self.policy_version:  # none gathered, or gathered before an update since
             raise RuntimeError(
                 "the optimizer state is sharded over the learners: gather it on every learner first "
                 "(`learner.gather_optimizer_state()`, as M2PO.get_state / save_to_path do)"
             )
-        state, self._gathered_optimizer_state = self._gathered_optimizer_state, None
         return state
 
     @override(TorchLearner)

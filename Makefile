@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro test test-fast bench clean
+.PHONY: setup train lab repro repro-tau test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ lab: setup
 # staleness 256 and M2PO on-policy, 3 seeds; the report lands in runs/repro/paper-mini/report.
 repro: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini.yaml --out runs/repro/paper-mini $(ARGS)
+
+# M2PO at staleness 256 with tau scaled to the toy's drift (0.2), 3 seeds (~10 min), then
+# one report over both experiments in runs/repro/report.
+repro-tau: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_tau.yaml --out runs/repro/paper-mini-tau --no-report $(ARGS)
+	$(VENV)/bin/m2po report runs/repro/paper-mini runs/repro/paper-mini-tau --out runs/repro/report
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

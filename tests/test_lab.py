@@ -34,12 +34,21 @@ def _space(tmp_path: Path, model_dir: str, **space) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml"])
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):
     space = load_space(REPO / "tune" / "spaces" / name)
     losses = {t.config.policy_loss for t in space.trials}
     stale = {t.config.staleness for t in space.trials}
-    if name == "cpu.yaml":
+    variants = {(t.config.policy_loss, t.config.staleness, t.config.m2_threshold) for t in space.trials}
+    if name.startswith("paper_mini"):  # make repro / repro-tau: 3 seeds of each variant, equal updates
+        expected = (
+            {("m2po", 0, 0.04), ("m2po", 256, 0.04), ("grpo", 256, 0.04), ("grpo_no_tr", 256, 0.04)}
+            if name == "paper_mini.yaml" else {("m2po", 256, 0.2)}
+        )
+        assert variants == expected and len(space.trials) == 3 * len(expected)
+        assert {t.config.seed for t in space.trials} == {0, 1, 2} and space.stop == {"policy_version": 800}
+        assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
+    elif name == "cpu.yaml":
         assert len(space.trials) == 12 and losses == {"m2po", "grpo", "grpo_no_tr"} and stale == {0, 64}
         assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
     else:

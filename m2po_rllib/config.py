@@ -236,6 +236,11 @@ class M2POConfig(AlgorithmConfig):
         return self.staleness // self.updates_per_step
 
     @property
+    def sharded_learners(self) -> bool:
+        """The learners hold FSDP shards of the weights (`learner_sharding`; 2+ learners)."""
+        return self.learner_sharding == FSDP and self.num_learners > 1
+
+    @property
     def minibatch_size_per_learner(self) -> int:
         return self.minibatch_prompts * self.group_size // max(1, self.num_learners)
 

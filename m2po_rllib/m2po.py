@@ -284,15 +284,11 @@ class M2PO(AsyncTrainingStep, Algorithm):
         `LearnerGroup.get_state`)."""
         return self._on_one_learner(lambda learner: learner.publish_weights(), forward=False)
 
-    @property
-    def _sharded_learners(self) -> bool:
-        return self.config.learner_sharding == "fsdp" and self.config.num_learners > 1
-
     def _on_one_learner(self, fn, forward: bool = True):
         """`fn(learner)` on the first learner, the one that answers; with sharded weights a
         `forward` (a collective) runs on every learner and the first one's answer is kept."""
         group = self.learner_group
-        every = forward and self._sharded_learners
+        every = forward and self.config.sharded_learners
         ids = None if group.is_local or every else group._worker_manager.healthy_actor_ids()[:1]
         return group._get_results(group.foreach_learner(fn, remote_actor_ids=ids))[0]
 
@@ -329,7 +325,7 @@ class M2PO(AsyncTrainingStep, Algorithm):
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         self._drain()
-        if self._sharded_learners and self._check_component(COMPONENT_LEARNER_GROUP, components, not_components):
+        if self.config.sharded_learners and self._check_component(COMPONENT_LEARNER_GROUP, components, not_components):
             # the optimizer state is sharded: gathered to the first learner by all at once
             self.learner_group.foreach_learner(lambda learner: learner.gather_optimizer_state())
         state = super().get_state(components, not_components=not_components, **kwargs)

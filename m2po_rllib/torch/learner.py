@@ -144,7 +144,7 @@ class M2POTorchLearner(TorchLearner):
         if self.config.num_learners > 0:
             use_cpus(self.config.num_cpus_per_learner)  # a learner actor: its own CPUs
         # FSDP2 over the learners (torch/fsdp.py) instead of RLlib's DDP replicas
-        self._sharded = self.config.learner_sharding == fsdp.FSDP and self.config.num_learners > 1
+        self._sharded = self.config.sharded_learners
         self._gathered_optimizer_state: tuple[int, dict] | None = None  # (policy version, state)
         super().build()
         for module_id in self.module.keys():
@@ -232,7 +232,7 @@ class M2POTorchLearner(TorchLearner):
     def response_logp_share(self, batch: dict[str, Any]) -> tuple[int, np.ndarray]:
         """This learner's contiguous share of `response_logp(batch)`, with its rank: the
         learners compute a whole batch's log-probs together."""
-        rank, world = (dist.get_rank(), dist.get_world_size()) if _world_size() > 1 else (0, 1)
+        rank, world = self._rank, _world_size()
         n = len(batch["response_mask"])
         return rank, self.response_logp(batch, rows=slice(rank * n // world, (rank + 1) * n // world))
 

@@ -54,12 +54,13 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
     """Runs one variant in this process; returns its figures."""
     import ray
 
-    from m2po_rllib.config_io import apply_overrides, config_from_spec, load_spec
+    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config_io import apply_overrides, load_spec
 
     spec = apply_overrides(load_spec(str(REPO / "configs" / "default.yaml")), BASE + VARIANTS[variant] + [
         f"debugging.seed={seed}", "evaluation.evaluation_interval=0"])
     spec.pop("run", None)
-    config = config_from_spec(spec)
+    config = M2POConfig.from_spec(spec)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp"))
     algo = config.build_algo()

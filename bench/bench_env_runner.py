@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def measure(engine: str, rounds: int) -> dict:
-    from m2po_rllib.config_io import config_from_yaml
+    from m2po_rllib.config import M2POConfig
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
-    config = config_from_yaml(str(REPO / "configs" / "default.yaml"), overrides=[f"env_runners.rollout_engine={engine}"])
+    config = M2POConfig.from_yaml(str(REPO / "configs" / "default.yaml"), overrides=[f"env_runners.rollout_engine={engine}"])
     runner = LLMEnvRunner(config=config)
     try:
         runner.sample(seed=0)  # starts the engine, warms up

@@ -31,7 +31,7 @@ VARIANTS = {
 def run_variant(name: str, iters: int, out_root: Path, extra: list[str]) -> dict:
     out = out_root / name
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "m2po_rllib.cli", "train", "--config", "configs/default.yaml",
+    cmd = [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--config", "configs/default.yaml",
            "--stop-iters", str(iters), "--output", str(out), "--no-progress",
            "run.stop_minutes=null", *VARIANTS[name], *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

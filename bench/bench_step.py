@@ -130,16 +130,16 @@ def project(steps: int, warm: int) -> dict:
     import ray
     from torch.utils.tensorboard import SummaryWriter
 
-    from m2po_rllib.config_io import load_spec, config_from_spec
-    from m2po_rllib.metrics import history_record, tensorboard_scalars
+    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config_io import load_spec
+    from m2po_rllib.jobs.history import history_record, tensorboard_scalars
 
     spec = load_spec(str(REPO / "configs" / "default.yaml"))
     spec.pop("run", None)
-    config = config_from_spec(spec)
-    from m2po_rllib.train import LOCAL_RAY_SYSTEM_CONFIG
+    config = M2POConfig.from_spec(spec)
+    from m2po_rllib.jobs.local_ray import init_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-             _temp_dir=tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp"))
+    init_ray(worker_logs=False)  # the Ray `m2po train` starts for the main job
     warm += config.queue_lag_steps  # while the stale queue fills, nothing is trained
     steps += config.queue_lag_steps
     algo = config.build_algo()

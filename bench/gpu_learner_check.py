@@ -14,7 +14,7 @@ minibatch's token count, then backward; one AdamW step per minibatch.
 Prints and writes (`--out`, JSON): peak memory (cuda: torch.cuda.max_memory_allocated;
 cpu: the process's peak RSS) and the memory before the updates (weights, AdamW state; cpu:
 RSS), tokens/s, seconds per update, the plan's estimate for the
-same shape (m2po_rllib/plan.py), and, unless --no-compare-old, the same updates through the
+same shape (m2po_rllib/jobs/plan.py), and, unless --no-compare-old, the same updates through the
 full-logits path (`rl_module.response_logp_and_entropy`) per micro-batch and the max
 relative gradient difference between the two paths on one micro-batch.
 """
@@ -181,7 +181,7 @@ def gradient_difference(model, args) -> float:
 
 def plan_estimate(config, args) -> dict:
     """m2po plan's estimate for this shape on one learner (no DDP), in GiB."""
-    from m2po_rllib.plan import ModelShape, estimate_learner_memory
+    from m2po_rllib.jobs.plan import ModelShape, estimate_learner_memory
 
     H, heads = config.hidden_size, config.num_attention_heads
     model_shape = ModelShape(

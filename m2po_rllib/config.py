@@ -18,17 +18,14 @@ from ray.rllib.algorithms.algorithm_config import DEPRECATED_VALUE, AlgorithmCon
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib.config_checks import env_id_error, type_errors
-from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
-from m2po_rllib.losses import (
-    ADVANTAGE_ESTIMATORS,
-    LOSS_AGG_MODES,
-    MASK_SCOPES,
-    POLICY_LOSSES,
-    policy_loss_params,
-)
+from m2po_rllib import config_io, validation
+from m2po_rllib.errors import ConfigError
+from m2po_rllib.losses import PAPER_M2_THRESHOLD, policy_loss_params
+from m2po_rllib.torch.fsdp import FSDP
+from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
 
-ROLLOUT_ENGINES = ("auto", "hf", "vllm")
+# The model's compute dtype unless `model_config["dtype"]` says otherwise (validation.MODEL_DTYPES).
+DEFAULT_MODEL_DTYPE = "float32"
 
 
 @functools.cache
@@ -56,7 +53,7 @@ class M2POConfig(AlgorithmConfig):
         # Policy loss by name: m2po | m2po_official | grpo | grpo_no_tr | gspo.
         self.policy_loss = "m2po"
         # tau: bound on the second moment of the log importance ratios (paper: 0.04).
-        self.m2_threshold = 0.04
+        self.m2_threshold = PAPER_M2_THRESHOLD
         # Clip bounds for the clip losses; None = the loss's own default (GRPO 0.2/0.2,
         # GSPO 3e-4/4e-4). eps_high > eps_low is DAPO's clip-higher.
         self.eps_low = None
@@ -97,7 +94,7 @@ class M2POConfig(AlgorithmConfig):
         self.micro_batch_size = None
         # Response positions per chunk of the log-prob / entropy computation: peak memory
         # O(micro_batch_size x logp_chunk_size x vocab) instead of the whole response.
-        self.logp_chunk_size = 256
+        self.logp_chunk_size = DEFAULT_CHUNK_SIZE
         # How the learners hold the weights: "ddp" (RLlib's default: a full replica on each
         # learner, gradients all-reduced) or "fsdp" (FSDP2: parameters, gradients and AdamW
         # moments sharded over the learners; needs num_learners >= 2; torch/fsdp.py).
@@ -275,6 +272,17 @@ class M2POConfig(AlgorithmConfig):
             state[name] = self.__dict__[name]
         return state
 
+    @property
+    @override(AlgorithmConfig)
+    def _model_config_auto_includes(self) -> dict[str, Any]:
+        """What the module reads besides the user's `model_config` (which wins for `dtype`):
+        the sampling temperature its log-probs are taken at, and their chunk size."""
+        return super()._model_config_auto_includes | {
+            "dtype": DEFAULT_MODEL_DTYPE,
+            "temperature": float(self.temperature),
+            "logp_chunk_size": int(self.logp_chunk_size),
+        }
+
     @override(AlgorithmConfig)
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         from m2po_rllib.torch.rl_module import HFCausalLMModule
@@ -289,136 +297,17 @@ class M2POConfig(AlgorithmConfig):
 
     @override(AlgorithmConfig)
     def validate(self) -> None:
-        # Types first: RLlib's own checks fail with a traceback on e.g. lr="abc".
-        errors = type_errors(self)
-        if errors:
-            self._raise(errors)
-        super().validate()
-
-        def bad(msg):
-            errors.append(msg)
-
-        if self.policy_loss not in POLICY_LOSSES:
-            bad(f"`policy_loss` ({self.policy_loss!r}) must be one of {sorted(POLICY_LOSSES)}")
-        else:
-            accepted = policy_loss_params(self.policy_loss)
-            unknown = set(self.policy_loss_kwargs or {}) - set(accepted)
-            if unknown:
-                bad(
-                    f"`policy_loss_kwargs` has {sorted(unknown)}, which `{self.policy_loss}` does "
-                    f"not take; it accepts {sorted(accepted)}"
-                )
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            bad(f"`loss_agg_mode` ({self.loss_agg_mode!r}) must be one of {list(LOSS_AGG_MODES)}")
-        if self.mask_scope not in MASK_SCOPES:
-            bad(f"`mask_scope` ({self.mask_scope!r}) must be one of {list(MASK_SCOPES)}")
-        if self.learner_sharding not in SHARDINGS:
-            bad(f"`learner_sharding` ({self.learner_sharding!r}) must be one of {list(SHARDINGS)}")
-        elif self.learner_sharding == FSDP and self.num_learners < 2 and not self.in_evaluation:
-            bad(
-                f"`learner_sharding` ('fsdp') shards the weights over the learners, but `num_learners` is "
-                f"{self.num_learners}; set num_learners >= 2, or learner_sharding='ddp'"
-            )
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            bad(
-                f"`advantage_estimator` ({self.advantage_estimator!r}) must be one of "
-                f"{list(ADVANTAGE_ESTIMATORS)}"
-            )
-        if not self.m2_threshold > 0:
-            bad(f"`m2_threshold` ({self.m2_threshold}) must be > 0; the paper uses 0.04")
-        if isinstance(self.lr, (int, float)) and not self.lr > 0:
-            bad(f"`lr` ({self.lr}) must be > 0; the paper uses 1e-6, the built-in job 3e-5")
-        for name in ("eps_low", "eps_high", "weight_decay"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                bad(f"`{name}` ({getattr(self, name)}) must be >= 0")
-        if self.group_size < 2:
-            bad(f"`group_size` ({self.group_size}) must be an int >= 2: group-relative advantages need 2+ samples per prompt")
-        for name in ("prompts_per_step", "minibatch_prompts", "num_epochs", "max_new_tokens"):
-            value = getattr(self, name)
-            if value < 1:
-                bad(f"`{name}` ({value}) must be a positive int")
-        if self.logp_mismatch_interval < 0:
-            bad(f"`logp_mismatch_interval` ({self.logp_mismatch_interval}) must be >= 0 (0 = never)")
-        if errors:
-            self._raise(errors)
-        if self.minibatch_prompts > self.prompts_per_step:
-            bad(
-                f"`minibatch_prompts` ({self.minibatch_prompts}) must be <= `prompts_per_step` "
-                f"({self.prompts_per_step}); lower minibatch_prompts or raise prompts_per_step"
-            )
-        elif self.prompts_per_step % self.minibatch_prompts:
-            bad(
-                f"`prompts_per_step` ({self.prompts_per_step}) must be a multiple of "
-                f"`minibatch_prompts` ({self.minibatch_prompts})"
-            )
-        elif self.staleness < 0 or self.staleness % self.updates_per_step:
-            bad(
-                f"`staleness` ({self.staleness}) must be a non-negative multiple of the optimizer "
-                f"updates per step ({self.updates_per_step} = num_epochs x prompts_per_step / "
-                f"minibatch_prompts); e.g. staleness={self.updates_per_step * max(1, round(self.staleness / self.updates_per_step))}"
-            )
-        runners = max(1, self.num_env_runners)
-        if self.prompts_per_step % runners:
-            bad(
-                f"`prompts_per_step` ({self.prompts_per_step}) must be a multiple of "
-                f"`num_env_runners` ({self.num_env_runners}) so each runner samples whole groups"
-            )
-        learners = max(1, self.num_learners)
-        if (self.minibatch_prompts * self.group_size) % learners:
-            bad(
-                f"a minibatch ({self.minibatch_prompts} prompts x {self.group_size}) must split evenly "
-                f"over `num_learners` ({self.num_learners})"
-            )
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            bad(f"`rollout_engine` ({self.rollout_engine!r}) must be one of {list(ROLLOUT_ENGINES)}")
-        if not self.temperature > 0:
-            bad(f"`temperature` ({self.temperature}) must be > 0 for training rollouts")
-        if not (0 < self.top_p <= 1):
-            bad(f"`top_p` ({self.top_p}) must be in (0, 1]")
-        model = (self.model_config or {}).get("model")
-        if not model:
-            bad(
-                "no model: set `.rl_module(model_config={'model': <HF dir, hub name or "
-                "'builtin:arith-tiny'>})`"
-            )
-        else:
-            from m2po_rllib.models.builtin import resolve_model_path
-
-            try:
-                resolve_model_path(model, check_hub=False)
-            except (ValueError, OSError) as e:
-                bad(str(e))
-        if self.env is None:
-            bad("no env: set `.environment('m2po/Arithmetic-v0', env_config={...})`")
-        elif (env_error := env_id_error(self.env)) is not None:
-            bad(env_error)
-        if self.evaluation_interval is not None and self.evaluation_interval < 0:
-            bad(f"`evaluation_interval` ({self.evaluation_interval}) must be >= 0 (0 or None = no evaluation)")
-        if self.evaluation_interval and self.evaluation_duration < 1:
-            bad(f"`evaluation_duration` ({self.evaluation_duration}) must be >= 1 held-out problem")
-        if self.evaluation_interval and self.evaluation_duration_unit != "episodes":
-            bad("`evaluation_duration_unit` must be 'episodes' (held-out problems) for M2PO")
-        if self.eval_samples < 1:
-            bad(f"`eval_samples` ({self.eval_samples}) must be an int >= 1")
-        for name in ("micro_batch_size",):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                bad(f"`{name}` ({value}) must be a positive int (sequences per forward/backward) or None")
-        for name in ("logp_chunk_size", "broadcast_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                bad(f"`{name}` ({value}) must be a positive int")
-        if errors:
-            self._raise(errors)
-        if self.async_rollouts and not self.in_evaluation:  # evaluation has its own runners
-            self._validate_async(bad)
-        elif not self.async_rollouts and self.max_staleness is not None:
-            bad(
-                f"`max_staleness` ({self.max_staleness}) bounds asynchronous rollouts, which are off; set "
-                "async_rollouts=True, or use `staleness` for the exact-k protocol"
-            )
-        if errors:
-            self._raise(errors)
+        """RLlib's checks, then M2PO's (validation.py), in stages; one `ConfigError` naming
+        every bad setting of the first stage that has any, each with the fix."""
+        self._raise(validation.check_types(self))  # RLlib's own checks fail with a traceback on lr="abc"
+        try:
+            super().validate()
+        except ConfigError:
+            raise
+        except ValueError as e:  # RLlib's own messages name the setting and the fix too
+            raise ConfigError(f"Invalid M2POConfig: {e}") from e
+        for stage in validation.STAGES:
+            self._raise([p for check in stage for p in check(self)])
 
     @property
     def min_max_staleness(self) -> int:
@@ -427,44 +316,23 @@ class M2POConfig(AlgorithmConfig):
         updates after the weights that made it."""
         return (self.broadcast_interval + 1) * self.updates_per_step - 1
 
-    def _validate_async(self, bad) -> None:
-        if self.num_env_runners < 1:
-            bad(
-                f"`async_rollouts` needs remote EnvRunners to generate while the learners train; "
-                f"`num_env_runners` is {self.num_env_runners}: set it to >= 1 (or async_rollouts=False)"
-            )
-        if self.staleness:
-            bad(
-                f"`staleness` ({self.staleness}) is the exact-k protocol of synchronous runs; with "
-                "`async_rollouts` the bound is `max_staleness`: set staleness=0"
-            )
-        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool):
-            bad(
-                f"`max_staleness` ({self.max_staleness}) must be an int with async_rollouts: the bound, "
-                f"in optimizer updates, on the age of every trained token (>= {self.min_max_staleness})"
-            )
-        elif self.max_staleness < self.min_max_staleness:
-            bad(
-                f"`max_staleness` ({self.max_staleness}) must be >= {self.min_max_staleness} = "
-                f"(broadcast_interval + 1) x updates_per_step - 1 ({self.broadcast_interval} + 1) x "
-                f"{self.updates_per_step} - 1: one round in flight while the previous step trains is "
-                f"already that old; raise max_staleness, or use async_rollouts=False for on-policy data"
-            )
-        if self.recompute_behavior_logp:
-            bad(
-                "`recompute_behavior_logp` needs the learner to hold the generating weights when a "
-                "round arrives, which async rollouts never guarantee; set it to False"
-            )
-
     @staticmethod
-    def _raise(errors):
-        if len(errors) == 1:
-            raise ValueError(f"Invalid M2POConfig: {errors[0]}")
-        raise ValueError("Invalid M2POConfig:\n  - " + "\n  - ".join(errors))
+    def _raise(problems: list[validation.Problem]) -> None:
+        if not problems:
+            return
+        settings = tuple(dict.fromkeys(name for names, _ in problems for name in names))
+        messages = [message for _, message in problems]
+        if len(messages) == 1:
+            raise ConfigError(f"Invalid M2POConfig: {messages[0]}", settings)
+        raise ConfigError("Invalid M2POConfig:\n  - " + "\n  - ".join(messages), settings)
 
     # -- YAML -----------------------------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path: str, overrides: dict | None = None) -> "M2POConfig":
-        from m2po_rllib.config_io import config_from_yaml
+    def from_spec(cls, spec: dict) -> "M2POConfig":
+        """A config from a YAML-shaped mapping: {section: {setting: value}} (config_io.py)."""
+        return config_io.config_from_spec(spec, cls)
 
-        return config_from_yaml(path, overrides=overrides, config_cls=cls)
+    @classmethod
+    def from_yaml(cls, path: str, overrides: dict | list | None = None) -> "M2POConfig":
+        """A config from `configs/*.yaml`, with `section.key=value` overrides."""
+        return cls.from_spec(config_io.apply_overrides(config_io.load_spec(path), overrides))

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from m2po_rllib.errors import ConfigError
+
 # YAML 1.1 reads `1e-5` (no dot) as a string; configs mean the number.
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -59,10 +61,10 @@ JOB_SECTION = "run"
 def parse_override(item: str) -> tuple[str, str, Any]:
     """`section.key=value` -> (section, key, YAML-parsed value)."""
     if "=" not in item:
-        raise ValueError(f"override {item!r} must look like section.key=value, e.g. training.lr=1e-5")
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.lr=1e-5")
     path, raw = item.split("=", 1)
     if "." not in path:
-        raise ValueError(
+        raise ConfigError(
             f"override {item!r} needs a section: one of {', '.join(SECTIONS)} (e.g. training.{path}={raw})"
         )
     section, key = path.split(".", 1)
@@ -90,7 +92,7 @@ def load_spec(path: str) -> dict:
     with open(path) as f:
         spec = _numbers(yaml.safe_load(f) or {})
     if not isinstance(spec, dict):
-        raise ValueError(f"{path}: a config is a mapping of sections ({', '.join(SECTIONS)})")
+        raise ConfigError(f"{path}: a config is a mapping of sections ({', '.join(SECTIONS)})")
     return spec
 
 
@@ -114,22 +116,21 @@ def _check_keys(config_cls, section: str, keys) -> None:
             continue
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
         hint = f"did you mean `{close[0]}`?" if close else f"see `M2POConfig.{section}()` for the settings"
-        raise ValueError(f"unknown setting `{section}.{key}`; {hint}")
+        raise ConfigError(f"unknown setting `{section}.{key}`; {hint}", (f"{section}.{key}", key))
 
 
-def config_from_spec(spec: dict, config_cls=None):
-    if config_cls is None:
-        from m2po_rllib.config import M2POConfig as config_cls
+def config_from_spec(spec: dict, config_cls):
+    """`config_cls()` with each section of `spec` passed to the method of that name."""
     config = config_cls()
     unknown = set(spec) - set(SECTIONS) - {JOB_SECTION}
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown config section(s) {sorted(unknown)}; valid: {', '.join(SECTIONS)}, {JOB_SECTION}"
         )
     for section in SECTIONS:
         if section in spec and spec[section]:
             if not isinstance(spec[section], dict):
-                raise ValueError(f"config section `{section}` must be a mapping of settings, got {spec[section]!r}")
+                raise ConfigError(f"config section `{section}` must be a mapping of settings, got {spec[section]!r}")
             kwargs = dict(spec[section])
             _check_keys(config_cls, section, kwargs)
             if section == "environment" and "env" in kwargs:
@@ -138,9 +139,5 @@ def config_from_spec(spec: dict, config_cls=None):
             try:
                 getattr(config, section)(**kwargs)
             except TypeError as e:
-                raise ValueError(f"config section {section!r}: {e}") from None
+                raise ConfigError(f"config section {section!r}: {e}") from None
     return config
-
-
-def config_from_yaml(path: str, overrides=None, config_cls=None):
-    return config_from_spec(apply_overrides(load_spec(path), overrides), config_cls=config_cls)

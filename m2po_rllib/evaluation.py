@@ -8,7 +8,7 @@ import collections
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, EVALUATION_RESULTS
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from m2po_rllib.rollout.env_runner import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_RESPONSE_LEN
+from m2po_rllib.keys import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_PROBLEMS, EVAL_RESPONSE_LEN
 
 
 def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
@@ -42,7 +42,7 @@ def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
     logger_.log_value(EVAL_RESPONSE_LEN, counts["tokens"] / max(1, counts["n"]), window=1)
     if counts["sampled_n"]:
         logger_.log_value(EVAL_MEAN_AT_K, counts["sampled_correct"] / counts["sampled_n"], window=1)
-    logger_.log_value("num_problems", counts["n"], window=1)
+    logger_.log_value(EVAL_PROBLEMS, counts["n"], window=1)
     algo.metrics.aggregate([logger_.reduce()], key=(EVALUATION_RESULTS, ENV_RUNNER_RESULTS))
     steps = int(counts["n"] + counts["sampled_n"])
     return {}, steps, steps

@@ -17,8 +17,8 @@ ENV_ID = "m2po-test/DigitReward-v0"
 
 
 class DigitRewardEnv(MathTextEnv):
-    def __init__(self, split="train", template="compact", **task):
-        super().__init__(ArithmeticTasks(**task), split=split, template=template)
+    def __init__(self, split="train", template="compact", tokenizer=None, **task):
+        super().__init__(ArithmeticTasks(**task), split=split, template=template, tokenizer=tokenizer)
 
     @staticmethod
     def _verdict(action) -> Verdict:

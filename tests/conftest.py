@@ -20,11 +20,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """A Ray instance of this test module's own: its own temp dir (so parallel test runs and
-    other people's Ray on the machine are never touched) and random free ports (what
-    `ray.init()` picks when it starts a local instance). `ray.shutdown()` ends only it."""
+    """One Ray instance for the whole test session (started by the first test that asks,
+    ~6 s, instead of once per module): its own temp dir (so parallel test runs and other
+    people's Ray on the machine are never touched) and random free ports (what `ray.init()`
+    picks when it starts a local instance). `ray.shutdown()` ends only it. Tests stop the
+    algorithms and actors they start, so the next test finds every CPU free."""
     import shutil
     import tempfile
 

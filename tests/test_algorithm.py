@@ -12,8 +12,9 @@ ray = pytest.importorskip("ray")
 
 import _test_envs  # noqa: E402
 from m2po_rllib import M2POConfig  # noqa: E402
-from m2po_rllib.rollout.batch import learner_order  # noqa: E402
-from m2po_rllib.rollout.batch import concat_rollouts, pack_rollouts, to_train_batch  # noqa: E402
+from m2po_rllib.errors import ConfigError  # noqa: E402
+from m2po_rllib.wire.batch import learner_order  # noqa: E402
+from m2po_rllib.wire.batch import concat_rollouts, pack_rollouts, to_train_batch  # noqa: E402
 
 
 def tiny_config(model_dir: str, **training) -> M2POConfig:
@@ -40,21 +41,27 @@ def tiny_config(model_dir: str, **training) -> M2POConfig:
 
 # -- config validation (no Ray needed) -----------------------------------------------------
 @pytest.mark.parametrize(
-    "training, needle",
+    "training, needle, at_fault",
     [
-        (dict(group_size=1), "`group_size` (1)"),
-        (dict(staleness=3), "`staleness` (3) must be a non-negative multiple"),
-        (dict(minibatch_prompts=8), "`minibatch_prompts` (8) must be <= `prompts_per_step` (4)"),
-        (dict(policy_loss="ppo"), "`policy_loss` ('ppo') must be one of"),
-        (dict(m2_threshold=0.0), "`m2_threshold` (0.0) must be > 0"),
-        (dict(loss_agg_mode="sum"), "`loss_agg_mode` ('sum')"),
-        (dict(policy_loss_kwargs={"eps_lo": 0.1}, policy_loss="grpo"), "does not take"),
+        (dict(group_size=1), "`group_size` (1)", {"group_size"}),
+        (dict(staleness=3), "`staleness` (3) must be a non-negative multiple", {"staleness"}),
+        (dict(minibatch_prompts=8), "`minibatch_prompts` (8) must be <= `prompts_per_step` (4)",
+         {"minibatch_prompts", "prompts_per_step"}),
+        (dict(policy_loss="ppo"), "`policy_loss` ('ppo') must be one of", {"policy_loss"}),
+        (dict(m2_threshold=0.0), "`m2_threshold` (0.0) must be > 0", {"m2_threshold"}),
+        (dict(loss_agg_mode="sum"), "`loss_agg_mode` ('sum')", {"loss_agg_mode"}),
+        (dict(policy_loss_kwargs={"eps_lo": 0.1}, policy_loss="grpo"), "does not take", {"policy_loss_kwargs"}),
+        (dict(async_rollouts=True, max_staleness=8), "`async_rollouts` needs remote EnvRunners",
+         {"async_rollouts", "num_env_runners"}),
     ],
 )
-def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle):
-    with pytest.raises(ValueError) as err:
+def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle, at_fault):
+    """A ConfigError (a ValueError) whose message names the value and the fix, and whose
+    `settings` name the settings at fault (what the lab blames, without reading the text)."""
+    with pytest.raises(ConfigError) as err:
         tiny_config(tiny_model_dir, **training).validate()
     assert needle in str(err.value)
+    assert set(err.value.settings) == at_fault
 
 
 @pytest.mark.parametrize(
@@ -472,6 +479,41 @@ def test_runner_ignores_stale_and_duplicate_weight_syncs(tiny_model_dir):
         runner.stop()
 
 
+def test_prompts_are_tokenized_once_by_the_env_with_its_special_tokens(tiny_model_dir, tmp_path):
+    """One place tokenizes a prompt: the text env, bound to the policy's tokenizer. With a
+    tokenizer that adds a BOS to plain text (as Llama's does, and vLLM does to a text
+    prompt), sampled and evaluated prompts both carry it, and equal the env's ids."""
+    import shutil
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner, make_text_env
+
+    model_dir = tmp_path / "with-bos"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)]
+    )
+    tok.save_pretrained(model_dir)
+    cfg = tiny_config(str(model_dir)).environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
+    runner = LLMEnvRunner(config=cfg)
+    try:
+        batch = runner.sample(num_prompts=3, seed=5)
+        env = make_text_env(cfg.env, cfg.env_config, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+        for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"]):
+            ids = ids[mask > 0].tolist()
+            assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
+            text = tok.decode(ids, skip_special_tokens=True)
+            assert env.unwrapped.tokenizer(text)["input_ids"] == ids  # the env's rule, BOS included
+        # held-out prompts come from the same kind of env, bound to the same tokenizer
+        obs, _ = runner._split_env("heldout").reset(options={"index": 0})
+        assert obs["prompt_token_ids"][0] == tok.bos_token_id
+    finally:
+        runner.stop()
+
+
 def test_runners_sharing_a_round_seed_draw_different_prompts(tiny_model_dir):
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
@@ -500,8 +542,9 @@ def test_building_the_module_logs_no_rlmodule_config_deprecation(tiny_model_dir)
         "import sys, gymnasium as gym\n"
         "from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec\n"
         "from m2po_rllib import M2POConfig\n"
-        "spec = M2POConfig().get_default_rl_module_spec()\n"
-        "spec.model_config = {'model': sys.argv[1]}\n"
+        "config = M2POConfig().rl_module(model_config={'model': sys.argv[1]})\n"
+        "spec = config.get_default_rl_module_spec()\n"
+        "spec.model_config = config.model_config  # the user's keys and the config's (temperature, ...)\n"
         "spec.observation_space = spec.action_space = gym.spaces.Discrete(2)\n"
         "module = MultiRLModuleSpec(rl_module_specs={'default_policy': spec}).build()\n"
         "print(type(module['default_policy']).__name__)\n"

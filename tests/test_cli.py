@@ -18,20 +18,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _overrides(model_dir: str) -> list[str]:
-    return [
-        f"rl_module.model_config.model={model_dir}",
-        "environment.env_config.digits=2",
-        "env_runners.max_new_tokens=4",
-        "training.prompts_per_step=4",
-        "training.group_size=4",
-        "training.minibatch_prompts=2",
-        "training.staleness=2",
-        "evaluation.evaluation_interval=2",
-        "evaluation.evaluation_duration=8",
-    ]
-
-
 # The built-in model on its own task: a small job whose held-out accuracy is not 0.
 ARITH = [
     "rl_module.model_config.model=builtin:arith-tiny",
@@ -54,7 +40,7 @@ def _user_env() -> dict:
 
 def _m2po(*args, cwd=REPO, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "m2po_rllib.jobs.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
         env=_user_env(), **kw,
     )
 
@@ -76,23 +62,29 @@ def heldout_greedy_accuracy(model_path: str, n: int) -> float:
     return sum(math_reward(c, p.answer) for c, p in zip(completions, problems)) / n
 
 
-def test_help_lists_the_parsers_subcommands():
-    import argparse
+def test_help_lists_every_subcommand_with_its_purpose(capsys):
+    from m2po_rllib.jobs.cli import main
 
-    from m2po_rllib.cli import build_parser
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    listed = dict(re.findall(r"^    (\w+)\s+(\S.*)$", capsys.readouterr().out, flags=re.M))
+    assert {"train", "eval", "export", "plan", "lab", "report"} <= set(listed)  # README's commands
+    for name in ("train", "eval", "export", "plan", "lab", "report"):
+        with pytest.raises(SystemExit) as done:
+            main([name, "--help"])
+        assert done.value.code == 0 and capsys.readouterr().out.startswith(f"usage: m2po {name} ")
 
-    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    assert {"train", "eval", "export"} <= set(sub.choices)
-    out = subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.cli", "--help"], cwd=REPO, capture_output=True, text=True,
-        env={**_user_env(), "COLUMNS": "300"},  # one line per subcommand
-    )
-    assert out.returncode == 0
-    listed = re.findall(r"^    (\w+)\s+(.+)$", out.stdout.split("COMMAND", 2)[2], flags=re.M)
-    assert listed == [(a.dest, a.help) for a in sub._choices_actions]
-    for name in sub.choices:
-        sub_help = _m2po(name, "--help")
-        assert sub_help.returncode == 0 and sub_help.stdout.startswith(f"usage: m2po {name} ")
+
+def _m2po_here(capfd, *args) -> tuple[int, str, str]:
+    """`m2po ARGS` in this process (the console script calls the same `main`): exit code,
+    stdout, stderr (file-descriptor level, so library log lines count too)."""
+    from m2po_rllib.jobs.cli import main
+
+    capfd.readouterr()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize(
@@ -108,25 +100,41 @@ def test_help_lists_the_parsers_subcommands():
         ("environment.env_config.digits=0", "digits=0 must be an integer >= 1"),
     ],
 )
-def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, override, message):
+@pytest.mark.usefixtures("ray_session")  # the last one builds the algorithm: on the session's Ray
+def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, capfd, monkeypatch, override, message):
     # (every message is tested through the API in test_algorithm.py; here: what the CLI makes of one)
-    out = _m2po("train", "--output", str(tmp_path / "run"), override)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.startswith(f"m2po train: error: {message}"), out.stderr[-3000:]
-    assert out.stderr.count("\n") == 1, out.stderr[-3000:]
+    monkeypatch.chdir(REPO)
+    code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "run"), override)
+    assert code == 2, err[-3000:]
+    assert err.startswith(f"m2po train: error: {message}"), err[-3000:]
+    assert err.count("\n") == 1, err[-3000:]
     assert not (tmp_path / "run").exists()
 
 
-def test_bad_override_is_a_clear_error(tmp_path):
-    out = _m2po("train", "--output", str(tmp_path / "r"), "lr=1e-5")
-    assert out.returncode == 2
-    assert "needs a section" in out.stderr and "training.lr=1e-5" in out.stderr
+def test_bad_override_is_a_clear_error(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "r"), "lr=1e-5")
+    assert code == 2
+    assert "needs a section" in err and "training.lr=1e-5" in err
+
+
+def test_a_bug_keeps_its_traceback(capfd, monkeypatch):
+    """Only a ConfigError (or a missing file) is a one-line user error: any other exception
+    is a bug, and the CLI lets it through with its traceback."""
+    import m2po_rllib.jobs.report as report
+
+    def broken(dirs, out=None):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(report, "run_report", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        _m2po_here(capfd, "report", "somewhere")
 
 
 def assert_resume_sets_the_optimizer_lr(run: Path, saved_lr: float) -> None:
     """Restoring a checkpoint loads the optimizer's old lr (RLlib would set the new one only
     after the first update): the first update after `--resume ... training.lr=x` uses x."""
-    from m2po_rllib.run_dir import restore, resume_run
+    from m2po_rllib.jobs.run_dir import restore, resume_run
 
     for overrides, lr in (([], saved_lr), (["training.lr=0.25"], 0.25)):
         run_dir, _, _, config, changes = resume_run(str(run), overrides)
@@ -140,7 +148,7 @@ def assert_resume_sets_the_optimizer_lr(run: Path, saved_lr: float) -> None:
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_train_resume_eval_export(tmp_path):
+def test_train_resume_eval_export(tmp_path, capfd):
     run = tmp_path / "run"
     # a relative --output (run from tmp_path), with a checkpoint inside the loop
     out = _m2po(
@@ -159,11 +167,11 @@ def test_train_resume_eval_export(tmp_path):
     assert [h["iteration"] for h in history] == [1, 2]
 
     # Settings the checkpoint was made for cannot change; the message lists those that can.
-    out = _m2po("train", "--resume", str(run), "training.staleness=4", "env_runners.temperature=0.5")
-    assert out.returncode == 2
-    assert out.stderr.startswith(
+    code, _, err = _m2po_here(capfd, "train", "--resume", str(run), "training.staleness=4", "env_runners.temperature=0.5")
+    assert code == 2
+    assert err.startswith(
         "m2po train: error: cannot change `env_runners.temperature`, `training.staleness` when resuming"
-    ) and "run.*, training.lr," in out.stderr
+    ) and "run.*, training.lr," in err
     out = _m2po("train", "--resume", str(run), "--stop-iters", "3", "--no-progress", "training.lr=5e-4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed" in out.stdout and "  training.lr: 0.001 -> 0.0005" in out.stdout
@@ -176,12 +184,12 @@ def test_train_resume_eval_export(tmp_path):
     assert_resume_sets_the_optimizer_lr(run, saved_lr=5e-4)
 
     hf_dir = tmp_path / "hf"
-    out = _m2po("export", "--checkpoint", str(run), "--out", str(hf_dir))
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, _, err = _m2po_here(capfd, "export", "--checkpoint", str(run), "--out", str(hf_dir))
+    assert code == 0, err[-3000:]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from m2po_rllib.export import load_policy_module
+    from m2po_rllib.jobs.export import load_policy_module
     from m2po_rllib.models.builtin import resolve_model_path
 
     exported = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
@@ -190,56 +198,43 @@ def test_train_resume_eval_export(tmp_path):
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
     assert any(not torch.equal(exported[k], base[k]) for k in base), "export holds the base weights"
 
-    out = _m2po("eval", "--checkpoint", str(run), "--num", "24")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout[out.stdout.index("{") :])
+    code, stdout, err = _m2po_here(capfd, "eval", "--checkpoint", str(run), "--num", "24")
+    assert code == 0, err[-3000:]
+    result = json.loads(stdout[stdout.index("{") :])
     assert result["problems"] == 24
     assert result["greedy_accuracy"] == heldout_greedy_accuracy(str(hf_dir), 24)
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, tmp_path):
-    run = tmp_path / "run"
+def _interrupt(args: list[str], when) -> tuple[int, str]:
+    """Starts `m2po ARGS` as a user's shell would, sends Ctrl-C once `when(line)` holds for
+    a line it printed, and returns (exit code, everything it printed)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "1000", "--output", str(run),
-         "--no-progress", *_overrides(tiny_model_dir)],
+        [sys.executable, "-m", "m2po_rllib.jobs.cli", *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_user_env(),
     )
     deadline = time.time() + 300
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("iter 2:") or time.time() > deadline:
+        if when(line) or time.time() > deadline:
             break
+    time.sleep(1.0)  # inside what the line announced
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=300)
-    output = "".join(lines) + rest
-    assert proc.returncode == 130, output[-3000:]
-    assert "checkpoint saved" in output and "--resume" in output
-    assert (run / "checkpoint" / "rllib_checkpoint.json").exists()
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["interrupted"] is True and 2 <= summary["iterations"] < 1000
+    return proc.returncode, "".join(lines) + rest
 
 
-def test_ctrl_c_in_the_start_evaluation_saves_a_checkpoint(tmp_path):
-    """Ctrl-C before the loop (here: the held-out evaluation before training, made slow
-    with mean@64) saves a checkpoint, prints the --resume command, exits 130 with no
-    traceback; --resume then evaluates and trains."""
+def test_ctrl_c_saves_a_checkpoint_anywhere_and_the_run_resumes(tmp_path, capfd):
+    """Ctrl-C before the loop (in the held-out evaluation before training, made slow with
+    mean@64) saves a checkpoint, prints the --resume command, exits 130 with no traceback;
+    --resume then evaluates and trains, and a Ctrl-C inside the loop saves a checkpoint too."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "1", "--output", str(run),
-         "--no-progress", *ARITH, "evaluation.evaluation_duration=500", "evaluation.eval_samples=64"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_user_env(),
+    code, output = _interrupt(
+        ["train", "--stop-iters", "1", "--output", str(run), "--no-progress", *ARITH,
+         "evaluation.evaluation_duration=500", "evaluation.eval_samples=64"],
+        lambda line: line.startswith("evaluating held-out accuracy before training"),
     )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("evaluating held-out accuracy before training"):
-            break
-    time.sleep(1.0)  # inside the evaluation
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=300)
-    output = "".join(lines) + rest
-    assert proc.returncode == 130, output[-3000:]
+    assert code == 130, output[-3000:]
     assert "Traceback" not in output and "held-out accuracy before training:" not in output, output[-3000:]
     assert f"checkpoint saved in {run / 'checkpoint'}; continue with `m2po train --resume {run}`" in output
     summary = json.loads((run / "summary.json").read_text())
@@ -250,12 +245,18 @@ def test_ctrl_c_in_the_start_evaluation_saves_a_checkpoint(tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "run.json").write_text((run / "run.json").read_text())
-    out = _m2po("train", "--resume", str(bare))
-    assert out.returncode == 2 and "the run has no checkpoint yet" in out.stderr, out.stderr[-3000:]
+    code, _, err = _m2po_here(capfd, "train", "--resume", str(bare))
+    assert code == 2 and "the run has no checkpoint yet" in err, err[-3000:]
 
-    out = _m2po("train", "--resume", str(run), "--no-progress", "evaluation.eval_samples=1",
-                "evaluation.evaluation_duration=24")
-    assert out.returncode == 0, out.stderr[-3000:]
+    # Resumed: it evaluates, trains, and a Ctrl-C in the loop stops after the iteration.
+    code, output = _interrupt(
+        ["train", "--resume", str(run), "--no-progress", "--stop-iters", "1000", "evaluation.eval_samples=1",
+         "evaluation.evaluation_duration=24"],
+        lambda line: line.startswith("iter 2:"),
+    )
+    assert code == 130, output[-3000:]
+    assert "checkpoint saved" in output and "--resume" in output and "Traceback" not in output
+    assert (run / "checkpoint" / "rllib_checkpoint.json").exists()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["iterations"] == 1 and summary["interrupted"] is False
+    assert summary["interrupted"] is True and 2 <= summary["iterations"] < 1000
     assert summary["start_heldout_accuracy"] == heldout_greedy_accuracy("builtin:arith-tiny", 24)

@@ -200,7 +200,7 @@ def test_submitted_train_job_succeeds_and_writes_its_summary(ray_head, tiny_mode
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     output = tmp_path / "run"
-    train = " ".join(["python", "-m", "m2po_rllib.cli", *_tiny_job_args(tiny_model_dir, output)])
+    train = " ".join(["python", "-m", "m2po_rllib.jobs.cli", *_tiny_job_args(tiny_model_dir, output)])
     where = "python -c \"import m2po_rllib; print('m2po_rllib imported from', m2po_rllib.__file__)\""
     client = JobSubmissionClient(ray_head.address)
     job_id = client.submit_job(

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from m2po_rllib import M2POConfig
 from test_algorithm import tiny_config
 from test_learner import _assert_same_gradient, _batch, _config, _peek
 

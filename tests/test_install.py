@@ -13,10 +13,8 @@ def test_core_packages_import_together():
     # `import transformers`. Setup removes them; this is the check that it did.
     for name in ("m2po_rllib", "envs", "vllm", "ray.rllib", "transformers", "torch", "gymnasium", "math_verify"):
         importlib.import_module(name)
-    import torch
 
     assert importlib.util.find_spec("torchvision") is None, "torchvision is installed beside the CPU torch"
-    assert torch.__version__.startswith("2.13.0")
 
 
 def test_console_script_runs():
@@ -29,11 +27,11 @@ def test_console_script_runs():
 def test_package_data_resolves_from_any_directory(tmp_path):
     code = (
         "from m2po_rllib.models.builtin import resolve_model_path;"
-        "from m2po_rllib.cli import _default_config_path;"
+        "from m2po_rllib.jobs.run_dir import default_config_path;"
         "import os;"
         "p = resolve_model_path('builtin:arith-tiny');"
         "assert os.path.exists(os.path.join(p, 'model.safetensors')), p;"
-        "c = _default_config_path();"
+        "c = default_config_path();"
         "assert os.path.exists(c), c;"
         "print(c)"
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from m2po_rllib import M2POConfig
-from m2po_rllib.rollout.batch import pack_rollouts, to_train_batch
+from m2po_rllib.wire.batch import pack_rollouts, to_train_batch
 
 GROUP = 4
 

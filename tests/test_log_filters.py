@@ -7,18 +7,15 @@ import logging
 
 import torch
 
+HINT = "Install gputil for GPU system monitoring."
 
-def test_the_gputil_hint_is_dropped_on_a_machine_without_gpus():
-    """Every Algorithm (a Tune Trainable) starts Ray Tune's UtilMonitor, which asks for
-    GPUtil even without GPUs; importing the algorithm drops that one line there, and the
-    logger's other messages still pass."""
-    import m2po_rllib.m2po  # noqa: F401  (installs the filter)
+
+def _logged_by_util_monitor(logger: logging.Logger) -> list[str]:
     from ray.tune.utils.util import UtilMonitor
 
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
-    logger = logging.getLogger("ray.tune.utils.util")
     logger.addHandler(handler)
     try:
         monitor = UtilMonitor(start=True, delay=0.05)
@@ -26,5 +23,24 @@ def test_the_gputil_hint_is_dropped_on_a_machine_without_gpus():
         logger.warning("another message")
     finally:
         logger.removeHandler(handler)
-    assert torch.cuda.is_available() or "Install gputil for GPU system monitoring." not in seen
-    assert "another message" in seen
+    return seen
+
+
+def test_the_gputil_hint_is_dropped_only_on_a_machine_without_gpus(monkeypatch):
+    """Every Algorithm (a Tune Trainable) starts Ray Tune's UtilMonitor, which asks for
+    GPUtil even without GPUs. Without GPUs that one line is dropped (the logger's other
+    messages still pass); with GPUs it is a real hint and stays."""
+    from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus
+
+    logger = logging.getLogger("ray.tune.utils.util")
+    monkeypatch.setattr(logger, "filters", [])  # as in a fresh process; restored afterwards
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    quiet_gputil_hint_without_gpus()
+    seen = _logged_by_util_monitor(logger)
+    assert HINT in seen and "another message" in seen
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    quiet_gputil_hint_without_gpus()
+    seen = _logged_by_util_monitor(logger)
+    assert HINT not in seen and "another message" in seen

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from m2po_rllib.cli import main
-from m2po_rllib.plan import GiB, HEADROOM, estimate_learner_memory, model_shape, plan
+from m2po_rllib.jobs.cli import main
+from m2po_rllib.jobs.plan import GiB, HEADROOM, estimate_learner_memory, model_shape, plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER_CONFIGS = sorted(str(p) for p in CONFIGS.glob("paper_*.yaml"))
@@ -62,24 +62,27 @@ def test_parameter_counts_match_the_published_sizes(plans):
     assert not qwen25.tied and qwen25.embedding_params == 2 * 152064 * 3584
 
 
-def test_memory_estimate_equals_the_hand_computation(plans):
+def test_memory_estimate_shards_states_and_scales_activations_with_tokens(plans):
+    """What the estimate must get right whatever its constants: FSDP holds 1/learners of the
+    fp32 states a DDP replica holds, activations grow linearly with the micro-batch while the
+    states do not, and a 7B replica's states alone exceed an 80 GB GPU."""
     p = plans[QWEN25]
-    # bf16 compute (b = 2) on float32 master weights, gradients and moments; 64 sequences
-    # per learner in one micro-batch, 1024 + 3072 tokens, gradient checkpointing, chunk 256,
-    # 8 learners
-    b, P, T = 2, 7_615_616_512, 64 * 4096
-    H, I, kv, V, L = 3584, 18944, 4 * 128, 152064, 28
-    layer_params = (H * H + H) + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H  # q, k, v (biases), o, MLP, norms
-    per_layer_activations = b * (6 * H + 2 * kv + 4 * I) + 8 * H
-    activations = T * (L * b * H + per_layer_activations) + T * H * (4 + 3 * b)
-    logp = 3 * 256 * V * 4 + 4 * V * H + b * V * H
-    ddp = 4 * P + 4 * P + 8 * P + 4 * P + activations + logp
-    fsdp = (4 * P + 4 * P + 8 * P) / 8 + 2 * b * (2 * layer_params + 2 * V * H) + activations + logp
-    assert sum(p["memory"]["ddp"].values()) == ddp
-    assert sum(p["memory"]["fsdp"].values()) == pytest.approx(fsdp, rel=1e-12)
-    # 7B fp32 weights + grads + AdamW moments alone are > 80 GB: no full replica fits
-    assert (4 * P + 4 * P + 8 * P) > 80e9
-    assert p["largest_micro_batch"]["ddp"] == 0 and not p["fits"]["ddp"]
+    shape = p["model"]
+    P = shape.num_params
+    states = ("weights (fp32 master)", "gradients (fp32)", "AdamW moments (fp32)")
+    ddp, fsdp = p["memory"]["ddp"], p["memory"]["fsdp"]
+    assert sum(ddp[k] for k in states) == 16 * P  # fp32 weights + gradients + two AdamW moments
+    assert sum(fsdp[k] for k in states) == pytest.approx(16 * P / 8)  # sharded over 8 learners
+    assert 16 * P > 80e9 and p["largest_micro_batch"]["ddp"] == 0 and not p["fits"]["ddp"]
+
+    def estimate(micro):
+        return estimate_learner_memory(shape, dtype_bytes=2, micro_batch_size=micro, seq_len=4096, chunk_size=256,
+                                       gradient_checkpointing=True, num_learners=8)["fsdp"]
+
+    one, two, four = estimate(8), estimate(16), estimate(32)
+    act = "activations (one micro-batch)"
+    assert two[act] == 2 * one[act] and four[act] == 4 * one[act]
+    assert all(one[k] == four[k] for k in one if k != act)
 
 
 def test_recommendations(plans):
@@ -102,7 +105,7 @@ def test_recommendations(plans):
 
 
 def recommend_text(p):
-    from m2po_rllib.plan import recommendation
+    from m2po_rllib.jobs.plan import recommendation
 
     return recommendation(p)
 

@@ -36,7 +36,7 @@ SMALL = [  # configs/default.yaml's task (3-digit addition), smaller steps
 
 def _m2po(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "m2po_rllib.jobs.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, **(env or {})},
     )
 
@@ -58,7 +58,7 @@ def train_runs(tmp_path_factory, ray_tmp) -> list[Path]:
     runs = [root / f"seed{seed}" for seed in (0, 1)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "m2po_rllib.cli", "train", "--stop-iters", "3", "--output", str(out),
+            [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--stop-iters", "3", "--output", str(out),
              "--no-progress", "--checkpoint-every", "0", *SMALL, "run.stop_minutes=null", f"debugging.seed={seed}"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ray_tmp},
         )
@@ -76,7 +76,7 @@ def _row(md: str, variant: str) -> list[str]:
 
 
 def test_history_records_carry_the_report_fields(train_runs):
-    from m2po_rllib.metrics import RECORD_FIELDS
+    from m2po_rllib.jobs.history import RECORD_FIELDS
 
     history = json.loads((train_runs[0] / "history.json").read_text())
     assert [h["iteration"] for h in history] == [1, 2, 3]
@@ -91,10 +91,19 @@ def test_history_records_carry_the_report_fields(train_runs):
         assert h["heldout_accuracy"] is not None and h["trained_staleness_max"] is not None
 
 
-def test_report_table_equals_the_histories(train_runs, tmp_path):
+def _report(capsys, *args) -> tuple[int, str, str]:
+    """`m2po report ARGS` in this process (the console script's `main`)."""
+    from m2po_rllib.jobs.cli import main
+
+    code = main(["report", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_report_table_equals_the_histories(train_runs, tmp_path, capsys):
     out = tmp_path / "report"
-    proc = _m2po("report", *map(str, train_runs), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = _report(capsys, *map(str, train_runs), "--out", str(out))
+    assert code == 0, err[-3000:]
     for name in FIGURES:
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -125,17 +134,17 @@ def test_report_table_equals_the_histories(train_runs, tmp_path):
         assert f"]({name}.png)" in md
 
 
-def test_report_defaults_to_dir_report(train_runs):
-    proc = _m2po("report", str(train_runs[0]))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (train_runs[0] / "report" / "report.md").exists() and "report written to" in proc.stdout
+def test_report_defaults_to_dir_report(train_runs, capsys):
+    code, out, err = _report(capsys, str(train_runs[0]))
+    assert code == 0, err[-3000:]
+    assert (train_runs[0] / "report" / "report.md").exists() and "report written to" in out
 
 
-def test_report_over_a_directory_without_runs_says_so(tmp_path):
+def test_report_over_a_directory_without_runs_says_so(tmp_path, capsys):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
-    proc = _m2po("report", str(tmp_path / "empty"))
-    assert proc.returncode == 2
-    assert "no runs found in" in proc.stderr and "history.json" in proc.stderr
+    code, _, err = _report(capsys, str(tmp_path / "empty"))
+    assert code == 2
+    assert "no runs found in" in err and "history.json" in err
     assert not (tmp_path / "empty" / "report").exists()
 
 

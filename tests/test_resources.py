@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from m2po_rllib.config_io import config_from_spec, load_spec
+from m2po_rllib.config import M2POConfig
+from m2po_rllib.config_io import load_spec
 from m2po_rllib.m2po import M2PO
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -23,7 +24,7 @@ PAPER_CONFIGS = sorted(p.stem for p in CONFIGS.glob("paper_*.yaml"))
 def resource_request(name: str):
     spec = load_spec(str(CONFIGS / f"{name}.yaml"))
     spec.pop("run", None)
-    config = config_from_spec(spec)
+    config = M2POConfig.from_spec(spec)
     return config, M2PO.default_resource_request(config)
 
 
@@ -66,6 +67,6 @@ def test_gpu_counts_follow_the_config():
     spec.pop("run", None)
     spec["env_runners"].update(num_env_runners=2, num_cpus_per_env_runner=4)
     spec["learners"].update(num_learners=4, num_gpus_per_learner=0.5, num_cpus_per_learner=2)
-    pgf = M2PO.default_resource_request(config_from_spec(spec))
+    pgf = M2PO.default_resource_request(M2POConfig.from_spec(spec))
     assert pgf.bundles[1:] == [{"CPU": 4.0, "GPU": 1.0}] * 2 + [{"CPU": 2.0, "GPU": 0.5}] * 4
     assert pgf.required_resources == {"CPU": 1.0 + 8 + 8, "GPU": 4.0}

@@ -15,7 +15,7 @@ from m2po_rllib.losses.aggregation import (
     aggregate_loss,
     compute_advantages,
 )
-from m2po_rllib.losses.mask import m2po_keep_mask, m2po_keep_mask_global, m2po_official_tau
+from m2po_rllib.losses.mask import PAPER_M2_THRESHOLD, m2po_keep_mask, m2po_keep_mask_global, m2po_official_tau
 from m2po_rllib.losses.policy import (
     MASK_SCOPES,
     POLICY_LOSSES,
@@ -30,6 +30,7 @@ __all__ = [
     "LOCAL",
     "LOSS_AGG_MODES",
     "MASK_SCOPES",
+    "PAPER_M2_THRESHOLD",
     "POLICY_LOSSES",
     "PolicyLossInputs",
     "aggregate_loss",

@@ -19,6 +19,10 @@ import torch
 
 from m2po_rllib.losses._dist import all_gather_cat, all_reduce_sum, world_size
 
+# tau, the M2 budget of the paper and its official code (arXiv 2510.01161): M2POConfig's
+# default and these functions'.
+PAPER_M2_THRESHOLD = 0.04
+
 __all__ = ["m2po_keep_mask", "m2po_keep_mask_global", "m2po_official_tau"]
 
 # First top-k size of the search: max(_FIRST_TOP, n / _FIRST_TOP_FRACTION), widened
@@ -130,7 +134,7 @@ def _m2po_cut(log_ratio, valid, threshold: float, group):
 
 
 def m2po_keep_mask(
-    log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float = 0.04
+    log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float = PAPER_M2_THRESHOLD
 ) -> torch.Tensor:
     """M2PO's token mask (Alg. 1, arXiv 2510.01161) over one batch, on this process only.
 
@@ -169,7 +173,7 @@ def m2po_keep_mask(
 def m2po_keep_mask_global(
     log_ratio: torch.Tensor,
     valid: torch.Tensor,
-    threshold: float = 0.04,
+    threshold: float = PAPER_M2_THRESHOLD,
     group=None,
     *,
     return_stats: bool = False,
@@ -226,7 +230,7 @@ def m2po_official_tau(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     valid: torch.Tensor,
-    m2_threshold: float = 0.04,
+    m2_threshold: float = PAPER_M2_THRESHOLD,
     group=None,
     *,
     solver: str = "exact",

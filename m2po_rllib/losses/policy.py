@@ -17,9 +17,10 @@ from typing import Callable
 
 import torch
 
+from m2po_rllib import keys
 from m2po_rllib.losses._dist import LOCAL, all_reduce_sum, world_size
 from m2po_rllib.losses.aggregation import aggregate_loss
-from m2po_rllib.losses.mask import _m2po_cut, m2po_official_tau
+from m2po_rllib.losses.mask import PAPER_M2_THRESHOLD, _m2po_cut, m2po_official_tau
 
 __all__ = ["POLICY_LOSSES", "PolicyLossInputs", "compute_policy_loss", "register_policy_loss"]
 
@@ -77,14 +78,14 @@ def _ppo_clip(x: PolicyLossInputs, ratio, low, high, family: str):
         was_clipped = x.usable & (clipped > unclipped)  # gradient zeroed there
         n_clipped = torch.count_nonzero(was_clipped)
         frac = n_clipped / torch.count_nonzero(x.valid).clamp_min(1)
-        metrics = {f"{family}/clipped_frac": frac, f"{family}/clipped_tokens": n_clipped.float()}
+        metrics = {keys.clipped_frac(family): frac, keys.clipped_tokens(family): n_clipped.float()}
         if x.entropy is not None:
-            metrics[f"{family}/entropy_clipped"] = _masked_mean(x.entropy, was_clipped)
+            metrics[keys.entropy_clipped(family)] = _masked_mean(x.entropy, was_clipped)
     return torch.where(x.usable, per_token, 0.0), metrics
 
 
 @register_policy_loss("m2po")
-def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = 0.04):
+def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = PAPER_M2_THRESHOLD):
     """M2PO (arXiv 2510.01161): -M * r * A, M the second-moment mask; no epsilon-clip."""
     if x.keep_mask is not None:
         if x.keep_mask.shape != x.valid.shape:
@@ -103,13 +104,13 @@ def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = 0.04):
         masked = x.valid & ~keep
         n_kept, n_valid = torch.count_nonzero(keep), torch.count_nonzero(x.valid)
         metrics = {
-            "m2po/m2_after": _masked_mean(d, keep),
-            "m2po/kept_tokens": n_kept.float(),
-            "m2po/masked_tokens": torch.count_nonzero(masked).float(),
-            "m2po/masked_frac": torch.count_nonzero(masked) / n_valid.clamp_min(1),
+            keys.M2_AFTER: _masked_mean(d, keep),
+            keys.KEPT_TOKENS: n_kept.float(),
+            keys.MASKED_TOKENS: torch.count_nonzero(masked).float(),
+            keys.MASKED_FRAC: torch.count_nonzero(masked) / n_valid.clamp_min(1),
         }
         if x.entropy is not None:
-            metrics["m2po/entropy_masked"] = _masked_mean(x.entropy, masked)
+            metrics[keys.ENTROPY_MASKED] = _masked_mean(x.entropy, masked)
     return per_token, metrics
 
 
@@ -117,7 +118,7 @@ def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = 0.04):
 def m2po_official_loss(
     x: PolicyLossInputs,
     *,
-    m2_threshold: float = 0.04,
+    m2_threshold: float = PAPER_M2_THRESHOLD,
     min_clip_low: float | None = 0.3,
     min_clip_high: float | None = 0.5,
     tau_solver: str = "exact",
@@ -148,11 +149,11 @@ def m2po_official_loss(
         capped = torch.minimum(lr * lr, torch.tensor(tau_c * tau_c, device=lr.device))
         metrics.update(
             {
-                "m2po/m2_after": _masked_mean(capped, harmful),
+                keys.M2_AFTER: _masked_mean(capped, harmful),
                 # NaN, not inf, when the budget sets no bound: metric means skip NaN
-                "m2po/tau_c": torch.tensor(tau_c if bounded else math.nan, device=lr.device),
-                "m2po/clip_low": torch.tensor(low if bounded else math.nan, device=lr.device),
-                "m2po/clip_high": torch.tensor(high if bounded else math.nan, device=lr.device),
+                keys.TAU_C: torch.tensor(tau_c if bounded else math.nan, device=lr.device),
+                keys.CLIP_LOW: torch.tensor(low if bounded else math.nan, device=lr.device),
+                keys.CLIP_HIGH: torch.tensor(high if bounded else math.nan, device=lr.device),
             }
         )
     return per_token, metrics
@@ -336,15 +337,15 @@ def _common_metrics(x: PolicyLossInputs) -> dict[str, torch.Tensor]:
     lr = x.log_ratio.detach()
     abs_lr = lr.abs()
     metrics = {
-        "m2po/m2_before": _masked_mean(lr * lr, x.usable),
-        "policy/log_ratio_abs_mean": _masked_mean(abs_lr, x.usable),
-        "policy/log_ratio_abs_max": torch.where(x.usable, abs_lr, -math.inf).amax()
+        keys.M2_BEFORE: _masked_mean(lr * lr, x.usable),
+        keys.LOG_RATIO_ABS_MEAN: _masked_mean(abs_lr, x.usable),
+        keys.LOG_RATIO_ABS_MAX: torch.where(x.usable, abs_lr, -math.inf).amax()
         if lr.numel() and x.usable.any()
         else torch.tensor(math.nan, device=lr.device),
-        "policy/ratio_mean": _masked_mean(torch.exp(lr), x.usable),
-        "policy/valid_tokens": torch.count_nonzero(x.valid),
-        "policy/nonfinite_tokens": torch.count_nonzero(x.valid & ~x.usable),
+        keys.RATIO_MEAN: _masked_mean(torch.exp(lr), x.usable),
+        keys.VALID_TOKENS: torch.count_nonzero(x.valid),
+        keys.NONFINITE_TOKENS: torch.count_nonzero(x.valid & ~x.usable),
     }
     if x.entropy is not None:
-        metrics["m2po/entropy_all"] = _masked_mean(x.entropy, x.valid)
+        metrics[keys.ENTROPY_ALL] = _masked_mean(x.entropy, x.valid)
     return metrics

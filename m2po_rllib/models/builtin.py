@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
+from m2po_rllib.errors import ConfigError
+
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -66,12 +68,12 @@ def _check_hub_name(name: str, loadable: bool) -> None:
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise ValueError(f"{SETTING} ({name!r}): no such directory, and it is not a hub name; {_FIX}") from None
+        raise ConfigError(f"{SETTING} ({name!r}): no such directory, and it is not a hub name; {_FIX}") from None
     if not loadable:
         return
     if not isinstance(try_to_load_from_cache(name, "config.json"), str):
         if _hub_offline():
-            raise ValueError(
+            raise ConfigError(
                 f"{SETTING} ({name!r}): no such directory, and the hub name is not in the local "
                 f"Hugging Face cache while HF_HUB_OFFLINE is set; download it where the hub is "
                 f"reachable (`hf download {name}`) or pass a local model directory"
@@ -80,7 +82,7 @@ def _check_hub_name(name: str, loadable: bool) -> None:
             hf_hub_download(name, "config.json")
         except Exception as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ValueError(
+            raise ConfigError(
                 f"{SETTING} ({name!r}): no such directory, and the hub cannot give it ({reason}); "
                 f"check the name and the network, or {_FIX}"
             ) from None
@@ -102,21 +104,21 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, check_hub: bool = Tru
         path = Path(name_or_path).expanduser()
         if path.is_dir():
             if not (path / "config.json").is_file():
-                raise ValueError(
+                raise ConfigError(
                     f"{SETTING} ({name_or_path!r}) is a directory without config.json, not a "
                     f"Hugging Face model directory; {_FIX}"
                 )
             return name_or_path
         if path.exists():
-            raise ValueError(f"{SETTING} ({name_or_path!r}) is a file, not a model directory; {_FIX}")
+            raise ConfigError(f"{SETTING} ({name_or_path!r}) is a file, not a model directory; {_FIX}")
         if _looks_local(name_or_path):
-            raise ValueError(f"{SETTING} ({name_or_path!r}): no such directory, and it is not a hub name; {_FIX}")
+            raise ConfigError(f"{SETTING} ({name_or_path!r}): no such directory, and it is not a hub name; {_FIX}")
         _check_hub_name(name_or_path, loadable=check_hub)
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]
     if name not in BUILTIN_MODELS:
         known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
-        raise ValueError(f"{SETTING} ({name_or_path!r}) is not a built-in model; the built-in models are: {known}")
+        raise ConfigError(f"{SETTING} ({name_or_path!r}) is not a built-in model; the built-in models are: {known}")
     path = builtin_dir(name)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(

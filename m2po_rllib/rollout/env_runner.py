@@ -31,25 +31,13 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.checkpoints import Checkpointable
 
 from envs.reward import shared_verifier
-from m2po_rllib.rollout.batch import pack_rollouts
-from m2po_rllib.rollout.weights import PublishedWeights
+from m2po_rllib import keys
+from m2po_rllib.errors import ConfigError
 from m2po_rllib.threads import cpus, use_cpus
+from m2po_rllib.wire.batch import pack_rollouts
+from m2po_rllib.wire.weights import PublishedWeights
 
 logger = logging.getLogger(__name__)
-
-# Metric keys (namespaced as in ../shared/STYLE.md).
-REWARD_MEAN = "rollout/reward_mean"
-ACCURACY = "rollout/accuracy"
-RESPONSE_LEN = "rollout/response_len_mean"
-TOKENS_PER_S = "rollout/tokens_per_s"
-GENERATE_S = "rollout/generate_s"
-SCORE_S = "rollout/score_s"
-WEIGHT_SYNC_S = "rollout/weight_sync_s"
-ENGINE_VERSION = "rollout/engine_policy_version"
-EVAL_ACCURACY = "eval/accuracy"
-EVAL_MEAN_AT_K = "eval/mean_at_k"
-EVAL_RESPONSE_LEN = "eval/response_len_mean"
-
 
 def make_text_env(env_id: str, env_config: dict, **overrides) -> gym.Env:
     import envs  # noqa: F401  (registers the m2po/* ids)
@@ -63,7 +51,7 @@ def engine_settings(config) -> dict[str, Any]:
     return {
         "kind": config.resolved_rollout_engine(),
         "model": model_config.get("model"),
-        "dtype": model_config.get("dtype", "float32"),
+        "dtype": model_config["dtype"],
         "engine_kwargs": dict(config.engine_kwargs or {}),
     }
 
@@ -101,7 +89,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._train_envs = []
         self._eval_envs = {}
         # One env tells the spaces; the rest are made on first use (one per prompt).
-        self.env = make_text_env(self.config.env, self.config.env_config)
+        self.env = self._make_env()
         max_turns = getattr(self.env.unwrapped, "max_turns", 1)
         if max_turns != 1:
             raise ValueError(
@@ -112,13 +100,29 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def _envs(self, n: int) -> list[gym.Env]:
         while len(self._train_envs) < n:
-            self._train_envs.append(make_text_env(self.config.env, self.config.env_config))
+            self._train_envs.append(self._make_env())
         return self._train_envs[:n]
 
     def _split_env(self, split: str) -> gym.Env:
         if split not in self._eval_envs:
-            self._eval_envs[split] = make_text_env(self.config.env, self.config.env_config, split=split)
+            self._eval_envs[split] = self._make_env(split=split)
         return self._eval_envs[split]
+
+    def _make_env(self, **overrides) -> gym.Env:
+        """A text env bound to the policy's tokenizer: the env renders and tokenizes each
+        prompt (`prompt_token_ids`), one rule for every path (special tokens as the
+        template wants them, as vLLM adds them to a text prompt)."""
+        try:
+            return make_text_env(self.config.env, self.config.env_config, tokenizer=self.tokenizer, **overrides)
+        except ValueError as e:  # the env's own check of its env_config
+            raise ConfigError(str(e), ("env_config",)) from e
+        except TypeError as e:
+            if "tokenizer" not in str(e):
+                raise
+            raise TypeError(
+                f"env {self.config.env!r} must take a `tokenizer` argument and return `prompt_token_ids` "
+                f"(LLMEnvRunner binds the policy's tokenizer to it; see envs.text_env.MathTextEnv): {e}"
+            ) from None
 
     @property
     def tokenizer(self):
@@ -168,7 +172,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             kwargs.setdefault("seed", self._seed)
         t0 = time.perf_counter()
         self._engine = make_engine(settings["kind"], resolve_model_path(settings["model"]), **kwargs)
-        self.metrics.log_value("rollout/engine_start_s", time.perf_counter() - t0, reduce="mean")
+        self.metrics.log_value(keys.ENGINE_START_S, time.perf_counter() - t0, reduce="mean")
         if self._pending_weights is not None:
             weights, version = self._pending_weights
             self._engine.update_weights(weights, version)
@@ -181,21 +185,23 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             return self._engine.version
         return self._pending_weights[1] if self._pending_weights is not None else -1
 
-    def _load(self, weights: dict, version: int) -> None:
-        """Loads newer weights in place; older or duplicate versions are ignored."""
+    def _load(self, version: int, fetch) -> None:
+        """Loads the weights `fetch()` returns if `version` is newer than this runner's (the
+        one check: older or duplicate versions are never fetched nor loaded)."""
         if version <= self.weights_version:
             return
+        weights = fetch()
         if self._engine is not None and self._engine.is_healthy():
             t0 = time.perf_counter()
             self._engine.update_weights(weights, version)
-            self.metrics.log_value(WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
+            self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
             self._pending_weights = (weights, version) if self.worker_index == 0 else None
         else:
             self._pending_weights = (weights, version)
 
     def _use(self, published: PublishedWeights | None) -> None:
-        if published is not None and published.version > self.weights_version:
-            self._load(published.get()["weights"], published.version)
+        if published is not None:
+            self._load(published.version, published.get)
 
     # -- RLlib EnvRunner API ----------------------------------------------------------------
     @override(EnvRunner)
@@ -224,9 +230,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             seed=seed,
         )
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-
     @override(EnvRunner)
     def sample(
         self,
@@ -243,7 +246,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         `seed` (with `stream`, default this runner's index, so runners sharing a round seed
         draw different prompts) makes a round reproducible: it picks the prompts and seeds
         the sampler. `weights`: load these first if newer. Rows get the sample ids
-        `first_sample_id + 0..B-1`. Returns a rollout batch (`m2po_rllib.rollout.batch`).
+        `first_sample_id + 0..B-1`. Returns a rollout batch (`m2po_rllib.wire.batch`).
         """
         cfg = self.config
         g = cfg.group_size
@@ -251,12 +254,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         stream = self.worker_index if stream is None else stream
         self._use(weights)
         envs = self._envs(num_prompts)
-        prompts = []
+        prompt_ids = []
         for p, env in enumerate(envs):
             prompt_seed = int(np.random.SeedSequence([seed, stream, 0, p]).generate_state(1)[0])
             obs, _ = env.reset(seed=prompt_seed)
-            prompts.append(obs["prompt"] if isinstance(obs, dict) else obs)
-        prompt_ids = self._encode(prompts)
+            prompt_ids.append(obs["prompt_token_ids"].tolist())
 
         engine = self.engine
         # Requests draw from seeds base + i; spread the rounds' bases so that consecutive
@@ -283,13 +285,13 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             sample_ids=range(first_sample_id, first_sample_id + n_rows),
         )
         n_tokens = int(batch["response_mask"].sum())
-        self.metrics.log_value(REWARD_MEAN, float(np.mean(rewards)), reduce="mean")
-        self.metrics.log_value(ACCURACY, float(np.mean(correct)), reduce="mean")
-        self.metrics.log_value(RESPONSE_LEN, n_tokens / n_rows, reduce="mean")
-        self.metrics.log_value(TOKENS_PER_S, n_tokens / max(t_gen, 1e-9), reduce="mean")
-        self.metrics.log_value(GENERATE_S, t_gen, reduce="mean")
-        self.metrics.log_value(SCORE_S, t_score, reduce="mean")
-        self.metrics.log_value(ENGINE_VERSION, engine.version, reduce="max")
+        self.metrics.log_value(keys.REWARD_MEAN, float(np.mean(rewards)), reduce="mean")
+        self.metrics.log_value(keys.ACCURACY, float(np.mean(correct)), reduce="mean")
+        self.metrics.log_value(keys.RESPONSE_LEN, n_tokens / n_rows, reduce="mean")
+        self.metrics.log_value(keys.TOKENS_PER_S, n_tokens / max(t_gen, 1e-9), reduce="mean")
+        self.metrics.log_value(keys.GENERATE_S, t_gen, reduce="mean")
+        self.metrics.log_value(keys.SCORE_S, t_score, reduce="mean")
+        self.metrics.log_value(keys.ENGINE_VERSION, engine.version, reduce="max")
         # The verifier's counters (reward/timeouts, reward/errors, fast/slow path, ...).
         for key, count in shared_verifier().metrics(reset=True).items():
             self.metrics.log_value(key, count, reduce="sum")
@@ -312,11 +314,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         """
         self._use(weights)
         env = self._split_env(split)
-        prompts = []
+        prompt_ids = []
         for i in indices:
             obs, _ = env.reset(options={"index": int(i)})
-            prompts.append(obs["prompt"] if isinstance(obs, dict) else obs)
-        prompt_ids = self._encode(prompts)
+            prompt_ids.append(obs["prompt_token_ids"].tolist())
         engine = self.engine
         out = {"n": len(indices), "greedy_correct": 0, "sampled_correct": 0, "sampled_n": 0, "tokens": 0}
         greedy = engine.generate(prompt_ids, self._sampling(n=1, greedy=True, seed=seed))
@@ -348,7 +349,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             module_state = ray.get(module_state)
         module_state = (module_state or {}).get(DEFAULT_MODULE_ID)
         if module_state and "weights" in module_state:
-            self._load(module_state["weights"], int(module_state.get("policy_version", 0)))
+            self._load(int(module_state["policy_version"]), lambda: module_state["weights"])
 
     @override(Checkpointable)
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict:

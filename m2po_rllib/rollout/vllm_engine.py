@@ -8,8 +8,10 @@ distribution it was sampled from; greedy requests get the raw log-softmax (vLLM'
 Weight sync: `weight_transfer.py` holds both paths behind `WeightTransport`. A Mapping of
 tensors goes the object-store path (`ObjectStoreTransport`: safetensors chunks of at most
 `sync_chunk_bytes` through `collective_rpc`); an `NCCLWeights` notice goes vLLM's NCCL
-weight-transfer path (`NCCLTransport`, after `join_weight_group`), which on CUDA is enabled
-at start (`weight_transport="auto"`). The prefix cache is reset after either, since its KV
+weight-transfer path (`NCCLTransport`, after `join_weight_group`), set up at start only when
+asked for (`weight_transport="nccl"` or "auto", on CUDA). Training does not use it yet: no
+learner-side sender is wired into `M2PO`, so the default is "object_store", and only
+`bench/gpu_vllm_check.py` (the GPU check) turns it on. The prefix cache is reset after either, since its KV
 entries were computed by the old weights; versions stay with `GenerationEngine`.
 
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core
@@ -71,7 +73,7 @@ class VLLMEngine(GenerationEngine):
         kv_cache_space_gb: int = 1,
         seed: int = 0,
         sync_chunk_bytes: int = DEFAULT_SYNC_CHUNK_BYTES,
-        weight_transport: str = "auto",
+        weight_transport: str = "object_store",
         shutdown_timeout_s: float = 30.0,
         num_threads: int | None = None,
         **llm_kwargs,
@@ -86,8 +88,9 @@ class VLLMEngine(GenerationEngine):
         - `kv_cache_space_gb`: CPU KV-cache size, exported as VLLM_CPU_KVCACHE_SPACE unless
           that is already set.
         - `sync_chunk_bytes`: most tensor bytes per weight-sync RPC (object-store path).
-        - `weight_transport`: "auto" enables the NCCL receive path on CUDA (the object-store
-          path always works); "nccl" requires CUDA; "object_store" never sets up NCCL.
+        - `weight_transport`: "object_store" (default: the path training uses) never sets
+          up NCCL; "auto" enables the NCCL receive path on CUDA, "nccl" requires CUDA (the
+          GPU check's; no learner-side sender is wired into training yet).
         - `shutdown_timeout_s`: how long `shutdown()` lets the engine core tear down before
           killing it (vLLM's own default, 5 s, is too short on a busy CPU and leaks its
           shared memory; a clean exit takes ~7 s there).

@@ -32,30 +32,21 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 
+from m2po_rllib import keys
 from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
-from m2po_rllib.rollout.weights import PublishedWeights
+from m2po_rllib.wire.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
 
 logger = logging.getLogger(__name__)
 
-POLICY_VERSION = "policy_version"
-WEIGHTS_KEY = "_rl_module_state_after_update"  # RLlib's (IMPALA's) key for the state in a result
-UPDATE_SECONDS_KEY = "_update_seconds"
-GRAD_NORM = "policy/grad_norm"
-SKIPPED_UPDATES = "policy/skipped_updates"
-MICRO_BATCHES = "policy/micro_batches"
-
 # Token-level means and the token count each averages over (default: the valid tokens).
 _MEAN_WEIGHTS = {
-    "m2po/m2_after": "m2po/kept_tokens",
-    "m2po/entropy_masked": "m2po/masked_tokens",
-    "grpo/entropy_clipped": "grpo/clipped_tokens",
-    "gspo/entropy_clipped": "gspo/clipped_tokens",
-    "m2po/entropy_clipped": "m2po/clipped_tokens",
+    keys.M2_AFTER: keys.KEPT_TOKENS,
+    keys.ENTROPY_MASKED: keys.MASKED_TOKENS,
+    **{keys.entropy_clipped(f): keys.clipped_tokens(f) for f in keys.CLIP_FAMILIES},
 }
-_VALID = "policy/valid_tokens"
 
 
 def _tensor(value, device) -> torch.Tensor:
@@ -81,7 +72,7 @@ class _MinibatchMetrics:
 
     @staticmethod
     def _kind(key: str) -> str:
-        if key.endswith("_tokens") or key == "policy/loss":
+        if key.endswith("_tokens") or key == keys.LOSS:
             return "sum"
         return "max" if key.endswith("_max") else "mean"
 
@@ -95,7 +86,7 @@ class _MinibatchMetrics:
                 self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
         for key, value in metrics.items():
             if self._kind(key) == "mean":
-                w = metrics.get(_MEAN_WEIGHTS.get(key, _VALID), torch.ones(())).detach().reshape(()).double()
+                w = metrics.get(_MEAN_WEIGHTS.get(key, keys.VALID_TOKENS), torch.ones(())).detach().reshape(()).double()
                 part = torch.nan_to_num(value.detach().reshape(()).double()) * w
                 acc = self.means.setdefault(key, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
                 acc[0] = acc[0] + part.cpu()
@@ -147,10 +138,6 @@ class M2POTorchLearner(TorchLearner):
         self._sharded = self.config.sharded_learners
         self._gathered_optimizer_state: tuple[int, dict] | None = None  # (policy version, state)
         super().build()
-        for module_id in self.module.keys():
-            module = self.module[module_id].unwrapped()
-            module.temperature = float(self.config.temperature)  # that of the runners' sampling
-            module.logp_chunk_size = int(self.config.logp_chunk_size)
         self._grads_finite: dict[str, bool] = {}
         self._refresh_full_weights()
 
@@ -194,19 +181,20 @@ class M2POTorchLearner(TorchLearner):
         state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
         cfg = self.config
         remote = cfg.num_learners > 0 or cfg.num_env_runners > 0 or cfg.evaluation_num_env_runners > 0
-        return PublishedWeights.publish(state, remote=remote)
+        return PublishedWeights.publish(state["weights"], version=self.policy_version, remote=remote)
 
     @override(TorchLearner)
     def update(self, *args, return_state: bool = False, **kwargs):
         """RLlib's update; with `return_state` the result also carries the weights after it
-        (`_rl_module_state_after_update`, as IMPALA's learner does), and always the seconds
-        it took (`_update_seconds`, for the learner's idle fraction)."""
+        (`keys.WEIGHTS_KEY`, as IMPALA's learner does), and always the policy version after
+        it and the seconds it took (for the learner's idle fraction)."""
         t0 = time.perf_counter()
         result = super().update(*args, **kwargs)
         self._refresh_full_weights()
         if return_state:
-            result[WEIGHTS_KEY] = self.publish_weights()
-        result[UPDATE_SECONDS_KEY] = time.perf_counter() - t0
+            result[keys.WEIGHTS_KEY] = self.publish_weights()
+        result[keys.VERSION_KEY] = self.policy_version
+        result[keys.UPDATE_SECONDS_KEY] = time.perf_counter() - t0
         return result
 
     # -- log-probs outside training ----------------------------------------------------
@@ -287,10 +275,10 @@ class M2POTorchLearner(TorchLearner):
             logp = torch.as_tensor(self.response_logp(mb), device=self._device)  # (B, R)
             log_ratio = logp - mb["behavior_logp"].float()
             if cfg.policy_loss == "m2po":
-                keep = m2po_keep_mask_global(log_ratio, valid, params.get("m2_threshold", 0.04), group)
+                keep = m2po_keep_mask_global(log_ratio, valid, params["m2_threshold"], group)
             else:
                 adv = mb["advantages"].float()[:, None].expand_as(log_ratio)
-                params["tau_c"] = m2po_official_tau(log_ratio, adv, valid, params.get("m2_threshold", 0.04), group)
+                params["tau_c"] = m2po_official_tau(log_ratio, adv, valid, params["m2_threshold"], group)
 
         ctx = _Minibatch(
             n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=params, keep=keep,
@@ -319,10 +307,10 @@ class M2POTorchLearner(TorchLearner):
         metrics.update(
             {
                 # age in optimizer updates of this minibatch's rows when it is trained
-                "staleness/trained_min": now - float(version.max()),
-                "staleness/trained_mean": now - float(version.mean()),
-                "staleness/trained_max": now - float(version.min()),
-                MICRO_BATCHES: float(len(slices)),
+                keys.TRAINED_MIN: now - float(version.max()),
+                keys.TRAINED_MEAN: now - float(version.mean()),
+                keys.TRAINED_MAX: now - float(version.min()),
+                keys.MICRO_BATCHES: float(len(slices)),
             }
         )
         for key, value in metrics.items():
@@ -353,7 +341,7 @@ class M2POTorchLearner(TorchLearner):
             mask_scope=ctx.mask_scope,
             **ctx.params,
         )
-        metrics["policy/loss"] = loss.detach()
+        metrics[keys.LOSS] = loss.detach()
         ctx.metrics.add(metrics)
         return loss
 
@@ -372,7 +360,7 @@ class M2POTorchLearner(TorchLearner):
         self._grads_finite[module_id] = finite
         if finite and config.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(grads, config.grad_clip, norm)
-        self.metrics.log_value((module_id, GRAD_NORM), float(norm), window=1)
+        self.metrics.log_value((module_id, keys.GRAD_NORM), float(norm), window=1)
         return module_gradients_dict
 
     @override(TorchLearner)
@@ -386,10 +374,10 @@ class M2POTorchLearner(TorchLearner):
                     optim.step()
             else:
                 logger.warning("non-finite gradients in module %s: this update is skipped", module_id)
-                self.metrics.log_value((module_id, SKIPPED_UPDATES), 1, reduce="sum")
+                self.metrics.log_value((module_id, keys.SKIPPED_UPDATES), 1, reduce="sum")
             inner = self.module[module_id].unwrapped()
             inner.policy_version += 1
-            self.metrics.log_value((module_id, POLICY_VERSION), inner.policy_version, window=1)
+            self.metrics.log_value((module_id, keys.POLICY_VERSION), inner.policy_version, window=1)
 
     # -- sharded state ---------------------------------------------------------------------
     @override(TorchLearner)

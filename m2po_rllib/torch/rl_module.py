@@ -3,7 +3,7 @@
 The rollout engines (vLLM, HF) own generation; the learner needs only per-token log-probs
 and entropies of the sampled responses, which `_forward_train` computes, padding-aware.
 
-Batch layout (built by `m2po_rllib.rollout.batch.pack_rollouts`), B sequences:
+Batch layout (built by `m2po_rllib.wire.batch.pack_rollouts`), B sequences:
     input_ids       (B, P + R)  prompt left-padded to P, response right-padded to R
     attention_mask  (B, P + R)
     response_mask   (B, R)      1 for generated tokens (eos included), 0 for padding
@@ -19,7 +19,6 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 
 from m2po_rllib.torch import fsdp
-from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
 
 from m2po_rllib.log_filters import quiet_rllib_module_config_deprecation
@@ -29,7 +28,7 @@ quiet_rllib_module_config_deprecation()
 LOGP = "logp"
 ENTROPY = "entropy"
 
-# fp16 would need a gradient scaler; bf16 has float32's range.
+# model_config["dtype"] -> the compute dtype (M2POConfig validates the name).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -70,14 +69,14 @@ def response_logp_and_entropy(
 class HFCausalLMModule(TorchRLModule):
     """A `TorchRLModule` whose policy is `AutoModelForCausalLM.from_pretrained(model)`.
 
-    `model_config` keys:
+    `model_config` keys (M2POConfig fills in all but `model` and `gradient_checkpointing`):
         model: HF directory, hub name, or a built-in name such as `builtin:arith-tiny`.
-        dtype: the compute dtype, "float32" (default) or "bfloat16": the weights, their
-            gradients and AdamW's moments stay float32 (master weights; bf16 weights would
-            round away updates of lr ~1e-6), and the forward/backward run under autocast.
+        dtype: the compute dtype, "float32" or "bfloat16": the weights, their gradients
+            and AdamW's moments stay float32 (master weights; bf16 weights would round
+            away updates of lr ~1e-6), and the forward/backward run under autocast.
+        temperature: that of the rollouts (log-probs are computed for it).
+        logp_chunk_size: response positions per chunk of the log-prob computation.
         gradient_checkpointing: trade compute for memory on long responses.
-    The learner sets `temperature` (that of the rollouts: log-probs are computed for it)
-    and `logp_chunk_size` (response positions per chunk of the log-prob computation).
     """
 
     @override(TorchRLModule)
@@ -92,13 +91,10 @@ class HFCausalLMModule(TorchRLModule):
                 "rl_module(model_config=...) needs 'model': a HF model directory or name, "
                 "e.g. model_config={'model': 'builtin:arith-tiny'}"
             )
-        dtype = cfg.get("dtype", "float32")
-        if dtype not in _DTYPES:
-            raise ValueError(f"model_config['dtype']={dtype!r}; use one of {sorted(_DTYPES)}")
         self.model_path = resolve_model_path(cfg["model"])
-        self.compute_dtype = _DTYPES[dtype]
-        self.temperature = 1.0
-        self.logp_chunk_size = DEFAULT_CHUNK_SIZE
+        self.compute_dtype = _DTYPES[cfg["dtype"]]
+        self.temperature = float(cfg["temperature"])
+        self.logp_chunk_size = int(cfg["logp_chunk_size"])
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if cfg.get("gradient_checkpointing"):
             self.model.gradient_checkpointing_enable()

@@ -1,5 +1,6 @@
-"""The result keys the staleness lab reads, and the per-iteration history record built from
-them: one table shared by `m2po train` (history.json), the collapse stopper and `m2po report`.
+"""The per-iteration history record built from a training result (keys from
+`m2po_rllib.keys`): one table shared by `m2po train` (history.json), the collapse stopper
+and `m2po report`.
 
 A result is RLlib's nested training result (`Algorithm.train()`, Tune's result.json) or its
 flattened form (Tune's progress.csv: `learners/default_policy/m2po/masked_frac`); `lookup`
@@ -11,37 +12,33 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Held-out greedy accuracy: the algorithm's top-level key (carried between evaluations),
-# else the evaluation result RLlib carries between evaluation iterations.
-HELDOUT_ACCURACY = "heldout_accuracy"
-EVAL_ACCURACY = ("evaluation", "env_runners", "eval/accuracy")
-POLICY_VERSION = ("policy_version",)  # optimizer updates so far
-LEARNER = ("learners", "default_policy")
+from m2po_rllib import keys
+from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION, learner, runner
 
 # history field -> result path
 FIELDS: dict[str, tuple[str, ...]] = {
-    "reward": ("env_runners", "rollout/reward_mean"),
-    "train_accuracy": ("env_runners", "rollout/accuracy"),
-    "tokens_per_s": ("env_runners", "rollout/tokens_per_s"),
-    "staleness_mean": ("staleness/mean",),
-    "staleness_max": ("staleness/max",),
-    "trained_staleness_max": LEARNER + ("staleness/trained_max",),
-    "logp_mismatch_max": ("rollout/logp_mismatch_max",),
-    "masked_frac": LEARNER + ("m2po/masked_frac",),
-    "m2_before": LEARNER + ("m2po/m2_before",),
-    "m2_after": LEARNER + ("m2po/m2_after",),
-    "entropy_all": LEARNER + ("m2po/entropy_all",),
-    "entropy_masked": LEARNER + ("m2po/entropy_masked",),
-    "log_ratio_abs_max": LEARNER + ("policy/log_ratio_abs_max",),
-    "loss": LEARNER + ("policy/loss",),
+    "reward": runner(keys.REWARD_MEAN),
+    "train_accuracy": runner(keys.ACCURACY),
+    "tokens_per_s": runner(keys.TOKENS_PER_S),
+    "staleness_mean": (keys.STALENESS_MEAN,),
+    "staleness_max": (keys.STALENESS_MAX,),
+    "trained_staleness_max": learner(keys.TRAINED_MAX),
+    "logp_mismatch_max": (keys.LOGP_MISMATCH_MAX,),
+    "masked_frac": learner(keys.MASKED_FRAC),
+    "m2_before": learner(keys.M2_BEFORE),
+    "m2_after": learner(keys.M2_AFTER),
+    "entropy_all": learner(keys.ENTROPY_ALL),
+    "entropy_masked": learner(keys.ENTROPY_MASKED),
+    "log_ratio_abs_max": learner(keys.LOG_RATIO_ABS_MAX),
+    "loss": learner(keys.LOSS),
 }
 # One of these per clip loss (grpo, gspo, m2po_official).
-CLIPPED_FRAC = tuple(LEARNER + (f"{f}/clipped_frac",) for f in ("grpo", "gspo", "m2po"))
-ENTROPY_CLIPPED = tuple(LEARNER + (f"{f}/entropy_clipped",) for f in ("grpo", "gspo", "m2po"))
+CLIPPED_FRAC = keys.CLIPPED_FRAC_PATHS
+ENTROPY_CLIPPED = keys.ENTROPY_CLIPPED_PATHS
 
 # Every field of a history record, in order.
 RECORD_FIELDS = (
-    "iteration", "time_s", HELDOUT_ACCURACY, "policy_version", *FIELDS, "clipped_frac", "entropy_clipped",
+    "iteration", "time_s", HELDOUT_ACCURACY, POLICY_VERSION, *FIELDS, "clipped_frac", "entropy_clipped",
 )
 
 
@@ -73,7 +70,7 @@ def first(result: dict, paths) -> float | None:
 
 def heldout_accuracy(result: dict) -> float | None:
     value = lookup(result, HELDOUT_ACCURACY)
-    return value if value is not None else lookup(result, EVAL_ACCURACY)
+    return value if value is not None else lookup(result, keys.EVAL_ACCURACY_PATH)
 
 
 def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any]:
@@ -85,7 +82,7 @@ def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any
         "iteration": int(iteration),
         "time_s": float(time_s),
         HELDOUT_ACCURACY: heldout_accuracy(result),
-        "policy_version": None if version is None else int(version),
+        POLICY_VERSION: None if version is None else int(version),
     }
     record.update({name: lookup(result, path) for name, path in FIELDS.items()})
     record["clipped_frac"] = first(result, CLIPPED_FRAC)

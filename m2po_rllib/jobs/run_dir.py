@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,10 @@ from typing import Any
 from m2po_rllib.config_io import (
     JOB_SECTION,
     apply_overrides,
-    config_from_spec,
     load_spec,
     parse_override,
 )
+from m2po_rllib.errors import ConfigError
 
 # tensorboard: "default" writes the history record's fields, the timers and the pace
 # metrics (~40 scalars); "all" every number of the result (~200).
@@ -49,7 +50,24 @@ RESUME_SAFE = {
 }
 
 CHECKPOINT = "checkpoint"
+DEFAULT_CONFIG = "configs/default.yaml"  # the main job's, relative to the checkout
+
+
+def default_config_path() -> str:
+    """configs/default.yaml in the checkout, else the copy shipped inside the package."""
+    if os.path.exists(DEFAULT_CONFIG):
+        return DEFAULT_CONFIG
+    from importlib import resources
+
+    return str(resources.files("m2po_rllib") / "configs" / "default.yaml")
+
 _CHECKPOINT_FILE = "rllib_checkpoint.json"
+
+
+def _config(spec: dict):
+    from m2po_rllib.config import M2POConfig  # here, so that `m2po --help` does not import Ray
+
+    return M2POConfig.from_spec(spec)
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -61,9 +79,9 @@ def _check_run_settings(run: dict) -> None:
         if key not in RUN_DEFAULTS:
             close = difflib.get_close_matches(key, list(RUN_DEFAULTS), n=1, cutoff=0.6)
             hint = f"did you mean `{close[0]}`?" if close else f"valid: {', '.join(RUN_DEFAULTS)}"
-            raise ValueError(f"unknown setting `{JOB_SECTION}.{key}`; {hint}")
+            raise ConfigError(f"unknown setting `{JOB_SECTION}.{key}`; {hint}")
     if run.get("tensorboard", "default") not in ("default", "all"):
-        raise ValueError(f"`{JOB_SECTION}.tensorboard` ({run['tensorboard']!r}) must be 'default' or 'all'")
+        raise ConfigError(f"`{JOB_SECTION}.tensorboard` ({run['tensorboard']!r}) must be 'default' or 'all'")
 
 
 def new_run(config_path: str, overrides: list[str], output: str | None):
@@ -71,14 +89,14 @@ def new_run(config_path: str, overrides: list[str], output: str | None):
     spec = apply_overrides(load_spec(config_path), overrides)
     run = {**RUN_DEFAULTS, **(spec.pop(JOB_SECTION, None) or {})}
     _check_run_settings(run)
-    config = config_from_spec(spec)
+    config = _config(spec)
     config.validate()
     check_model_loads(config)
     name = Path(config_path).stem
     # Absolute: RLlib's save_to_path reads a relative path as a URI without a scheme.
     run_dir = Path(output or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if has_checkpoint(run_dir):
-        raise ValueError(
+        raise ConfigError(
             f"--output {run_dir} already holds a run with a checkpoint; continue it with "
             f"`m2po train --resume {run_dir}` or choose another --output"
         )
@@ -122,16 +140,16 @@ def resume_run(resume: str, overrides: list[str]):
     _check_run_settings({k: v for s, k, v in items if s == JOB_SECTION})
     algo_overrides = [o for o, (s, _, _) in zip(overrides, items) if s != JOB_SECTION]
     spec = apply_overrides(meta["spec"], algo_overrides)
-    old, config = config_from_spec(meta["spec"]), config_from_spec(spec)  # unknown keys raise here
+    old, config = _config(meta["spec"]), _config(spec)  # unknown keys raise here
     refused = sorted({f"{s}.{k}" for s, k, _ in items if s != JOB_SECTION and f"{s}.{k}" not in RESUME_SAFE})
     if refused:
-        raise ValueError(
+        raise ConfigError(
             f"cannot change {', '.join(f'`{r}`' for r in refused)} when resuming: the checkpoint "
             f"was made for the old value. Settings that can change on --resume: "
             f"{', '.join(RESUME_SAFE)}; start a new run (--output) to change the others"
         )
     if "training.lr" in {f"{s}.{k}" for s, k, _ in items} and not isinstance(config.lr, (int, float)):
-        raise ValueError(f"`training.lr` ({config.lr!r}) must be a number when changed on --resume")
+        raise ConfigError(f"`training.lr` ({config.lr!r}) must be a number when changed on --resume")
     config.validate()
     check_model_loads(config)
     changes: dict[str, tuple[Any, Any]] = {}

@@ -15,17 +15,8 @@ import argparse
 import os
 import sys
 
-DEFAULT_CONFIG = "configs/default.yaml"
-
-
-def _default_config_path() -> str:
-    """configs/default.yaml in the checkout, else the copy shipped inside the package."""
-    if os.path.exists(DEFAULT_CONFIG):
-        return DEFAULT_CONFIG
-    from importlib import resources
-
-    return str(resources.files("m2po_rllib") / "configs" / "default.yaml")
-
+from m2po_rllib.errors import ConfigError
+from m2po_rllib.jobs.run_dir import DEFAULT_CONFIG, default_config_path
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -92,10 +83,10 @@ def _cmd_train(args) -> int:
         # asked for explicitly, so Ray does not warn that it chose it. Set before Ray is
         # imported (it reads the mode once). A cluster's (RAY_ADDRESS) own settings rule.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from m2po_rllib.train import run_training
+    from m2po_rllib.jobs.train import run_training
 
     return run_training(
-        config_path=args.config or (None if args.resume else _default_config_path()),
+        config_path=args.config or (None if args.resume else default_config_path()),
         overrides=args.overrides,
         stop_iters=args.stop_iters,
         stop_minutes=args.stop_minutes,
@@ -107,7 +98,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from m2po_rllib.train import run_eval
+    from m2po_rllib.jobs.train import run_eval
 
     return run_eval(
         checkpoint=args.checkpoint,
@@ -121,7 +112,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from m2po_rllib.export import export_checkpoint
+    from m2po_rllib.jobs.export import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out)
     print(f"wrote a Hugging Face model to {path}")
@@ -129,13 +120,13 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from m2po_rllib.plan import run_plan
+    from m2po_rllib.jobs.plan import run_plan
 
     return run_plan(args.config, args.gpu_memory_gb, overrides=args.overrides, prompt_len=args.prompt_len)
 
 
 def _cmd_lab(args) -> int:
-    from m2po_rllib.lab import dry_run, run_lab
+    from m2po_rllib.jobs.lab import dry_run, run_lab
 
     if args.dry_run:
         return dry_run(args.space, overrides=args.overrides)
@@ -146,7 +137,7 @@ def _cmd_lab(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from m2po_rllib.report import run_report
+    from m2po_rllib.jobs.report import run_report
 
     return run_report(args.dirs, out=args.out)
 
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError) as e:  # what a user can fix; anything else is a bug
         print(f"m2po {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before a job had anything to save (train handles its own)

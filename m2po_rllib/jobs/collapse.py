@@ -21,12 +21,14 @@ from typing import Any
 from ray.tune import Callback, Stopper
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib.metrics import CLIPPED_FRAC, ENTROPY_CLIPPED, FIELDS, first, heldout_accuracy, lookup
+from m2po_rllib import keys
+from m2po_rllib.errors import ConfigError
+from m2po_rllib.jobs.history import CLIPPED_FRAC, ENTROPY_CLIPPED, FIELDS, first, heldout_accuracy, lookup
 
 COLLAPSE_REASON = "collapse_reason"
 COLLAPSE_FILE = "collapse.json"
 
-# What a limit may watch: the history fields of m2po_rllib.metrics.
+# What a limit may watch: the history fields of m2po_rllib.jobs.history.
 WATCHABLE = {**{k: FIELDS[k] for k in (
     "m2_before", "m2_after", "masked_frac", "entropy_all", "entropy_masked",
     "logp_mismatch_max", "log_ratio_abs_max", "trained_staleness_max",
@@ -66,13 +68,13 @@ class CollapseStopper(Stopper):
         limits = dict(limits or {})
         for name, bounds in limits.items():
             if name not in WATCHABLE:
-                raise ValueError(f"collapse limit {name!r} is not a watched metric; use one of {sorted(WATCHABLE)}")
+                raise ConfigError(f"collapse limit {name!r} is not a watched metric; use one of {sorted(WATCHABLE)}")
             if not isinstance(bounds, dict) or not bounds or set(bounds) - {"min", "max"}:
-                raise ValueError(f"collapse limit {name!r} must be a mapping with 'max' and/or 'min', got {bounds!r}")
+                raise ConfigError(f"collapse limit {name!r} must be a mapping with 'max' and/or 'min', got {bounds!r}")
         if accuracy_drop is not None and not 0 < accuracy_drop < 1:
-            raise ValueError(f"accuracy_drop ({accuracy_drop}) must be in (0, 1): the fraction of the best accuracy lost")
+            raise ConfigError(f"accuracy_drop ({accuracy_drop}) must be in (0, 1): the fraction of the best accuracy lost")
         if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience ({patience}) must be an int >= 1")
+            raise ConfigError(f"patience ({patience}) must be an int >= 1")
         self.accuracy_drop, self.min_best, self.grace = accuracy_drop, min_best, grace
         self.limits, self.patience, self.time_attr = limits, patience, time_attr
         self.reasons: dict[str, dict[str, Any]] = {}
@@ -86,7 +88,7 @@ class CollapseStopper(Stopper):
         try:
             return cls(**(spec or {}))
         except TypeError as e:
-            raise ValueError(f"collapse: {e}; valid keys: accuracy_drop, min_best, grace, limits, patience") from None
+            raise ConfigError(f"collapse: {e}; valid keys: accuracy_drop, min_best, grace, limits, patience") from None
 
     def recorder(self) -> "CollapseRecorder":
         return CollapseRecorder(self)
@@ -108,7 +110,8 @@ class CollapseStopper(Stopper):
         return True
 
     def _check(self, trial_id: str, result: dict, acc: float | None) -> dict | None:
-        loss = (result.get("learners") or {}).get("default_policy", {}).get("policy/loss")
+        section, module = keys.LEARNER
+        loss = ((result.get(section) or {}).get(module) or {}).get(keys.LOSS)  # NaN kept: lookup drops it
         if isinstance(loss, float) and not math.isfinite(loss):
             return {"criterion": "loss", "value": str(loss), "reason": f"the policy loss is {loss}"}
         best = self._best.get(trial_id)
@@ -116,7 +119,7 @@ class CollapseStopper(Stopper):
             floor = (1 - self.accuracy_drop) * best
             if acc < floor:
                 return {
-                    "criterion": "heldout_accuracy", "value": acc, "threshold": floor, "best": best,
+                    "criterion": keys.HELDOUT_ACCURACY, "value": acc, "threshold": floor, "best": best,
                     "reason": f"held-out accuracy {acc:.3f} fell below {1 - self.accuracy_drop:g} x its best {best:.3f}",
                 }
         for name, bounds in self.limits.items():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from m2po_rllib.metrics import HELDOUT_ACCURACY
-from m2po_rllib.report import Variant, mean_std
+from m2po_rllib.jobs.runs import Variant, mean_std
+from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 
 def _plt():
@@ -35,7 +35,7 @@ def _curve(variant: Variant, field: str, smooth: int = 1, when: str | None = Non
     by_iter: dict[int, list[tuple[float, float]]] = {}
     for run in variant.runs:
         history = [h for h in run.history if when is None or h.get(when) is not None]
-        values = [(h["iteration"], h.get("policy_version"), h.get(field)) for h in history]
+        values = [(h["iteration"], h.get(POLICY_VERSION), h.get(field)) for h in history]
         values = [(i, x, y) for i, x, y in values if x is not None and y is not None]
         if smooth > 1 and values:
             ys = np.convolve([y for *_, y in values], np.ones(smooth) / smooth, mode="valid")
@@ -146,7 +146,7 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
     smooth = max(1, n // 25)  # moving average over ~4% of the run for the per-step diagnostics
     avg = f" (moving average over {smooth} iterations)" if smooth > 1 else ""
     paths = [
-        _per_staleness(variants, out, "heldout_accuracy", [(HELDOUT_ACCURACY, "-")], "held-out accuracy",
+        _per_staleness(variants, out, HELDOUT_ACCURACY, [(HELDOUT_ACCURACY, "-")], "held-out accuracy",
                        "held-out greedy accuracy (mean ± std over seeds)"),
         # the steps that trained: while the stale queue fills, every round is the base model's
         _per_staleness(variants, out, "reward", [("reward", "-")], "training reward",

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from m2po_rllib.errors import ConfigError
+
 GiB = 2**30
-SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
-DEFAULT_LOGP_CHUNK = 256
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"
 DEFAULT_PROMPT_LEN = 1024  # when engine_kwargs.max_model_len does not bound the prompt
 HEADROOM = 0.9  # of device memory usable by tensors (CUDA context, allocator fragmentation, NCCL)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,7 +70,7 @@ def resolve_model_config(name: str):
         )
         where = shipped.relative_to(SHIPPED_CONFIGS.parents[2])
         return AutoConfig.from_pretrained(shipped), f"the shipped copy {where}/config.json ({why})"
-    raise ValueError(
+    raise ConfigError(
         f"no config.json for model {name!r}: not a directory, not in the HF cache, "
         f"{'not on the hub' if online else 'the hub is not reachable'}, and no shipped copy under "
         f"{SHIPPED_CONFIGS}; pass a local model directory"
@@ -174,13 +175,13 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
     groups["learners"] = bundles[len(bundles) - learners :] if learners else []
 
     model_config = dict(config.model_config or {})
-    dtype = model_config.get("dtype", "float32")
+    dtype = model_config["dtype"]
     shape = model_shape(model_config["model"])
     per_learner = config.minibatch_size_per_learner
-    micro = getattr(config, "micro_batch_size", None) or per_learner
-    chunk = getattr(config, "logp_chunk_size", None) or DEFAULT_LOGP_CHUNK
+    micro = config.micro_batch_size or per_learner
+    chunk = config.logp_chunk_size
     if not (isinstance(micro, int) and 1 <= micro <= per_learner):
-        raise ValueError(
+        raise ConfigError(
             f"`micro_batch_size` ({micro}) must be an int in [1, {per_learner}] (the sequences of one "
             "learner's minibatch: minibatch_prompts x group_size / num_learners)"
         )
@@ -255,7 +256,7 @@ def format_plan(p: dict) -> str:
     if m.max_positions and p["seq_len"] > m.max_positions:
         lines.append(f"  warning: sequences of {p['seq_len']} tokens exceed the model's max_position_embeddings ({m.max_positions})")
     n = max(1, p["num_learners"])
-    lines.append("Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/plan.py):")
+    lines.append("Estimated peak memory per learner (GiB; an upper estimate, see m2po_rllib/jobs/plan.py):")
     lines.append(f"  {'':<34} {'DDP (replica)':>14} {f'FSDP ({n} shards)':>17}")
     keys = list(dict.fromkeys([*p["memory"]["ddp"], *p["memory"]["fsdp"]]))
     for key in keys:

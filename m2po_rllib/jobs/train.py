@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
-import os
 import shutil
 import signal
 import sys
@@ -15,14 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib import run_dir as runs
-from m2po_rllib.metrics import history_record, tensorboard_scalars
+from m2po_rllib import keys
+from m2po_rllib.jobs import run_dir as runs
+from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
+from m2po_rllib.jobs.history import history_record, tensorboard_scalars
+from m2po_rllib.errors import ConfigError
 
-# Keys shown on the progress line and in the summary.
-EVAL_ACC = ("evaluation", "env_runners", "eval/accuracy")
-REWARD = ("env_runners", "rollout/reward_mean")
-TOKENS_PER_S = ("env_runners", "rollout/tokens_per_s")
-CLIPPED_KEYS = ("grpo/clipped_frac", "gspo/clipped_frac", "m2po/clipped_frac")
+EVAL_ACC = keys.EVAL_ACCURACY_PATH
 
 
 
@@ -39,60 +36,22 @@ def _get(result: dict, path: tuple, default=None):
     return node
 
 
-def _quiet() -> None:
-    """Keep the job's output readable: RLlib's API-stack notices and transformers' weight
-    loading bars say nothing actionable here. Errors still show."""
-    import ray.rllib  # noqa: F401  (importing it resets its logger's level: import first)
-
-    logging.getLogger("ray.rllib").setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-LOCAL_RAY_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-
-
-def _init_ray():
-    """Join the cluster in RAY_ADDRESS (as under `ray job submit`), else start a local Ray
-    of the job's own (never another local instance that happens to run)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
-        return
-    # A local instance: no idle workers started ahead (the job's actors start their own;
-    # prestarted ones are ~80 MB each and compute nothing).
-    ray.init(
-        address="local", include_dashboard=False, logging_level=logging.WARNING,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
-
-
 def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:
-    learners = _get(result, ("learners", "default_policy"), {}) or {}
-    masked = learners.get("m2po/masked_frac")
-    clipped = next((learners[k] for k in CLIPPED_KEYS if k in learners), None)
     fields = {
-        "reward": _get(result, REWARD),
+        "reward": _get(result, keys.runner(keys.REWARD_MEAN)),
         "heldout": last_eval,
-        "masked": masked,
-        "clipped": clipped,
-        "stale": result.get("staleness/mean"),
-        "tok/s": _get(result, TOKENS_PER_S),
+        "masked": _get(result, keys.learner(keys.MASKED_FRAC)),
+        "clipped": next((v for p in keys.CLIPPED_FRAC_PATHS if (v := _get(result, p)) is not None), None),
+        "stale": result.get(keys.STALENESS_MEAN),
+        "tok/s": _get(result, keys.runner(keys.TOKENS_PER_S)),
     }
     out = {}
     for k, v in fields.items():
         if v is None:
             continue
         out[k] = f"{v:.0f}" if k in ("tok/s", "stale") else (f"{v:.2%}" if k in ("masked", "clipped") else f"{v:.3f}")
-    if result.get("staleness/filling"):
-        out["queue"] = f"filling {int(result.get('staleness/queue_len', 0))}"
+    if result.get(keys.FILLING):
+        out["queue"] = f"filling {int(result.get(keys.QUEUE_LEN, 0))}"
     return out
 
 
@@ -143,12 +102,12 @@ def run_training(
     checkpoint_every: int | None = None,
     progress: bool = True,
 ) -> int:
-    _quiet()
+    quiet_job_logs()
     overrides = list(overrides or [])
     changes: dict = {}
     if resume:
         if config_path:
-            raise ValueError("--config and --resume exclude each other: a resumed run keeps its config (change settings with overrides)")
+            raise ConfigError("--config and --resume exclude each other: a resumed run keeps its config (change settings with overrides)")
         run_dir, meta, run, config, changes = runs.resume_run(resume, overrides)
     else:
         run_dir, meta, run, config = runs.new_run(config_path, overrides, output)
@@ -160,7 +119,7 @@ def run_training(
         run_dir.mkdir(parents=True, exist_ok=True)
         runs.write_meta(run_dir, meta)
     try:
-        _init_ray()
+        init_ray(worker_logs=max(config.num_env_runners, config.num_learners, config.evaluation_num_env_runners) > 0)
         algo = runs.restore(run_dir, config, changes) if resume else config.build_algo()
     except BaseException as e:
         # Nothing was trained: a new run leaves no directory behind.
@@ -265,7 +224,7 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
     summary.update(
         {
             "iterations": algo.iteration,
-            "policy_version": algo.policy_version,
+            keys.POLICY_VERSION: algo.policy_version,
             "train_seconds": round(elapsed_before + time.perf_counter() - t_start, 1),
             "policy_loss": cfg.policy_loss,
             "staleness": cfg.staleness,
@@ -310,7 +269,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("held-out accuracy (end)", f"{end:.3f}" if end is not None else "-"),
         ("change (points)", f"{100 * (end - start):+.1f}" if start is not None and end is not None else "-"),
         ("iterations", str(summary.get("iterations"))),
-        ("optimizer updates", str(summary.get("policy_version"))),
+        ("optimizer updates", str(summary.get(keys.POLICY_VERSION))),
         ("rollout tokens/s", f"{summary['rollout_tokens_per_s']:.0f}" if summary.get("rollout_tokens_per_s") else "-"),
         ("wall-clock time", f"{summary.get('train_seconds', 0) / 60:.1f} min"),
     ]
@@ -333,24 +292,24 @@ def run_eval(
 ) -> int:
     import tempfile
 
-    from m2po_rllib.cli import _default_config_path
-    from m2po_rllib.config_io import apply_overrides, config_from_spec, load_spec
-    from m2po_rllib.export import export_checkpoint
+    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config_io import apply_overrides, load_spec
+    from m2po_rllib.jobs.export import export_checkpoint
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
-    _quiet()
+    quiet_job_logs()
     if config_path:
         spec = load_spec(config_path)
     elif checkpoint and (Path(checkpoint) / "run.json").exists():
         spec = json.loads((Path(checkpoint) / "run.json").read_text())["spec"]
     else:
-        spec = load_spec(_default_config_path())
+        spec = load_spec(runs.default_config_path())
     spec = apply_overrides(spec, overrides or [])
     spec.pop("run", None)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = export_checkpoint(checkpoint, tmp) if checkpoint else model
         spec.setdefault("rl_module", {}).setdefault("model_config", {})["model"] = model_path
-        config = config_from_spec(spec)
+        config = M2POConfig.from_spec(spec)
         runner = LLMEnvRunner(config=config)
         try:
             n = num or int(config.evaluation_duration)

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.config_io import JOB_SECTION, SECTIONS, apply_overrides, config_from_spec, load_spec
-from m2po_rllib.metrics import HELDOUT_ACCURACY
+from m2po_rllib.config import M2POConfig
+from m2po_rllib.config_io import JOB_SECTION, SECTIONS, apply_overrides, load_spec
+from m2po_rllib import keys
+from m2po_rllib.keys import HELDOUT_ACCURACY
+from m2po_rllib.errors import ConfigError
 
 SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent"}
 SCHEDULERS = ("fifo", "asha")
@@ -61,12 +64,12 @@ class LabSpace:
 
 
 def _fail(path, msg: str):
-    raise ValueError(f"{path}: {msg}")
+    raise ConfigError(f"{path}: {msg}")
 
 
-def _blame(error: str, keys) -> list[str]:
-    """The section.key settings an error message names (`policy_loss`, 'async_rollouts')."""
-    return [k for k in keys if re.search(rf"[`']{re.escape(k.rsplit('.', 1)[-1])}[`']", error)]
+def _blame(error: ConfigError, keys) -> list[str]:
+    """The section.key settings among `keys` that the error holds at fault."""
+    return [k for k in keys if k in error.settings or k.rsplit(".", 1)[-1] in error.settings]
 
 
 def _grids(path, grid) -> list[dict[str, list]]:
@@ -118,10 +121,10 @@ def load_space(path: str | Path, overrides: list[str] | None = None) -> LabSpace
             seen.add(marker)
             trial = LabTrial(swept=swept, config=None)
             try:
-                trial.config = config_from_spec(apply_overrides(base_spec, swept))
+                trial.config = M2POConfig.from_spec(apply_overrides(base_spec, swept))
                 trial.config.validate()
-            except (ValueError, TypeError) as e:
-                blamed = _blame(str(e), [*swept, *fixed]) or [*swept]
+            except ConfigError as e:
+                blamed = _blame(e, [*swept, *fixed]) or [*swept]
                 where = ", ".join(f"`{k}` ({'grid' if k in swept else 'overrides'})" for k in blamed)
                 _fail(path, f"trial {len(trials)} ({trial.label}) is invalid; fix {where}:\n{e}")
             trials.append(trial)
@@ -143,11 +146,11 @@ def load_space(path: str | Path, overrides: list[str] | None = None) -> LabSpace
             _fail(path, f"the {scheduler['type']} scheduler ranks trials by held-out accuracy, but trial(s) {no_eval} "
                   "never evaluate: set evaluation.evaluation_interval (e.g. 10) in `overrides`")
     collapse = space.get("collapse") or {}
-    from m2po_rllib.collapse import CollapseStopper
+    from m2po_rllib.jobs.collapse import CollapseStopper
 
     try:
         CollapseStopper.from_spec(collapse)
-    except ValueError as e:
+    except ConfigError as e:
         _fail(path, str(e))
     max_concurrent = space.get("max_concurrent")
     if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
@@ -172,7 +175,7 @@ def fit_concurrency(trials: list[LabTrial], cluster: dict[str, float]) -> int:
         if per_trial > 0:
             have = cluster.get(r, 0.0)
             if have < per_trial:
-                raise ValueError(
+                raise ConfigError(
                     f"a trial needs {per_trial:g} {r}s and this Ray cluster has {have:g}: lower the trial's "
                     f"resources (resources.num_cpus_for_main_process, env_runners.num_env_runners, "
                     f"learners.num_learners, ...) or add nodes; pass --max-concurrent on an autoscaling cluster"
@@ -220,7 +223,7 @@ def build_scheduler(spec: dict, stop: dict):
     try:
         return ASHAScheduler(**spec)
     except TypeError as e:
-        raise ValueError(f"scheduler (asha): {e}; see ray.tune.schedulers.ASHAScheduler") from None
+        raise ConfigError(f"scheduler (asha): {e}; see ray.tune.schedulers.ASHAScheduler") from None
 
 
 def run_lab(
@@ -241,11 +244,11 @@ def run_lab(
     from ray.tune.search.basic_variant import BasicVariantGenerator
     from ray.tune.stopper import CombinedStopper, FunctionStopper
 
-    from m2po_rllib.collapse import CollapseStopper
-    from m2po_rllib.train import _init_ray, _quiet
+    from m2po_rllib.jobs.collapse import CollapseStopper
+    from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
 
-    _quiet()
-    _init_ray()
+    quiet_job_logs()
+    init_ray()
     cluster = ray.cluster_resources()
     concurrent = max_concurrent or space.max_concurrent or fit_concurrency(space.trials, cluster)
     out_dir = Path(out or Path("runs") / "lab" / f"{space.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -272,7 +275,7 @@ def run_lab(
     # Tune's legacy reporter: one compact status table (the default prints every trial's config)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     reporter = tune.CLIReporter(
-        metric_columns={HELDOUT_ACCURACY: "held-out", "policy_version": "updates", "staleness/mean": "stale (mean)"},
+        metric_columns={HELDOUT_ACCURACY: "held-out", keys.POLICY_VERSION: "updates", keys.STALENESS_MEAN: "stale (mean)"},
         parameter_columns=sorted({k for p in points for k in p}), max_report_frequency=30,
     )
     tuner = tune.Tuner(
@@ -303,7 +306,7 @@ def run_lab(
     if grid.num_errors:
         print(f"  {grid.num_errors} trial(s) failed; see error.txt in their directories")
     if report:
-        from m2po_rllib.report import write_report
+        from m2po_rllib.jobs.report import write_report
 
         md = write_report([str(out_dir)], out=str(out_dir / "report"))
         print(f"report: {md}")

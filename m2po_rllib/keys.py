@@ -1,0 +1,107 @@
+"""Every metric key and result path of M2PO, once: the writers (losses, learner, runner,
+algorithm) and the readers (`m2po train`'s history and progress line, the lab, the collapse
+stopper, `m2po report`) import them from here. No Ray, no torch.
+
+README "Metrics" says what each one means. Keys are namespaced as RLlib and CleanRL do
+(`m2po/masked_frac`, `rollout/tokens_per_s`); a training result nests them: the runners'
+under `env_runners`, the learners' under `learners/default_policy`, the algorithm's at the
+top, held-out evaluation under `evaluation/env_runners`.
+"""
+
+from __future__ import annotations
+
+# -- policy losses (m2po_rllib.losses), one family per loss: m2po/..., grpo/..., gspo/... --
+M2_BEFORE = "m2po/m2_before"  # second moment of the log-ratios over the usable tokens
+M2_AFTER = "m2po/m2_after"  # ... over the kept tokens
+KEPT_TOKENS = "m2po/kept_tokens"
+MASKED_TOKENS = "m2po/masked_tokens"
+MASKED_FRAC = "m2po/masked_frac"
+ENTROPY_ALL = "m2po/entropy_all"
+ENTROPY_MASKED = "m2po/entropy_masked"
+TAU_C = "m2po/tau_c"  # m2po_official: the clip bound found for the budget
+CLIP_LOW = "m2po/clip_low"
+CLIP_HIGH = "m2po/clip_high"
+CLIP_FAMILIES = ("grpo", "gspo", "m2po")  # the clip losses: grpo, gspo, m2po_official
+
+
+def clipped_frac(family: str) -> str:
+    return f"{family}/clipped_frac"
+
+
+def clipped_tokens(family: str) -> str:
+    return f"{family}/clipped_tokens"
+
+
+def entropy_clipped(family: str) -> str:
+    return f"{family}/entropy_clipped"
+
+
+LOG_RATIO_ABS_MEAN = "policy/log_ratio_abs_mean"
+LOG_RATIO_ABS_MAX = "policy/log_ratio_abs_max"
+RATIO_MEAN = "policy/ratio_mean"
+VALID_TOKENS = "policy/valid_tokens"
+NONFINITE_TOKENS = "policy/nonfinite_tokens"
+
+# -- learner (m2po_rllib.torch.learner) ---------------------------------------------------
+LOSS = "policy/loss"
+GRAD_NORM = "policy/grad_norm"
+SKIPPED_UPDATES = "policy/skipped_updates"
+MICRO_BATCHES = "policy/micro_batches"
+POLICY_VERSION = "policy_version"  # optimizer updates so far (also top-level in a result)
+TRAINED_MIN = "staleness/trained_min"  # age in updates of a minibatch's rows when trained
+TRAINED_MEAN = "staleness/trained_mean"
+TRAINED_MAX = "staleness/trained_max"
+# Private entries of a learner's result, popped by the algorithm before logging.
+WEIGHTS_KEY = "_rl_module_state_after_update"  # RLlib's (IMPALA's) key for the state in a result
+UPDATE_SECONDS_KEY = "_update_seconds"
+VERSION_KEY = "_policy_version"  # the learner's policy version after the update
+
+# -- EnvRunner (m2po_rllib.rollout.env_runner) --------------------------------------------
+REWARD_MEAN = "rollout/reward_mean"
+ACCURACY = "rollout/accuracy"
+RESPONSE_LEN = "rollout/response_len_mean"
+TOKENS_PER_S = "rollout/tokens_per_s"
+GENERATE_S = "rollout/generate_s"
+SCORE_S = "rollout/score_s"
+WEIGHT_SYNC_S = "rollout/weight_sync_s"
+ENGINE_VERSION = "rollout/engine_policy_version"
+ENGINE_START_S = "rollout/engine_start_s"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_MEAN_AT_K = "eval/mean_at_k"
+EVAL_RESPONSE_LEN = "eval/response_len_mean"
+EVAL_PROBLEMS = "num_problems"
+
+# -- algorithm (m2po_rllib.m2po, m2po_rllib.rollout.sampler) ------------------------------
+HELDOUT_ACCURACY = "heldout_accuracy"  # carried between evaluations into every result
+STALENESS_MEAN = "staleness/mean"  # age of the dispatched step's rows at its first minibatch
+STALENESS_MAX = "staleness/max"
+FILLING = "staleness/filling"  # sync: the stale-k queue is still filling (nothing trained)
+QUEUE_LEN = "staleness/queue_len"
+DROPPED_ROWS = "staleness/dropped_rows"
+ROUNDS_IN_FLIGHT = "async/rounds_in_flight"
+LEARNER_IDLE_FRAC = "async/learner_idle_frac"
+RUNNER_IDLE_FRAC = "async/runner_idle_frac"
+UPDATES_PER_S = "learner/updates_per_s"
+TOKENS_TRAINED_PER_S = "learner/tokens_per_s"
+LOGP_MISMATCH_MAX = "rollout/logp_mismatch_max"
+LOGP_MISMATCH_MEAN = "rollout/logp_mismatch_mean"
+LOGP_MISMATCH_TIMER = "logp_mismatch_timer"
+
+# -- where a training result holds them (RLlib's nesting) ---------------------------------
+RUNNERS = ("env_runners",)
+LEARNER = ("learners", "default_policy")
+EVALUATION = ("evaluation", "env_runners")
+
+
+def runner(key: str) -> tuple[str, ...]:
+    return RUNNERS + (key,)
+
+
+def learner(key: str) -> tuple[str, ...]:
+    return LEARNER + (key,)
+
+
+EVAL_ACCURACY_PATH = EVALUATION + (EVAL_ACCURACY,)
+# One of these per clip loss (the clip losses' keys are exclusive).
+CLIPPED_FRAC_PATHS = tuple(learner(clipped_frac(f)) for f in CLIP_FAMILIES)
+ENTROPY_CLIPPED_PATHS = tuple(learner(entropy_clipped(f)) for f in CLIP_FAMILIES)

@@ -1,0 +1,212 @@
+"""`RolloutSampler`: the rounds a training run trains on, requested from the EnvRunners and
+handed to the algorithm one training step at a time, in both modes.
+
+It owns, for both modes:
+- the numbering. Round n is one request to one runner (`prompts_per_step / R` prompts x
+  `group_size` completions, R runners); it belongs to step `n // R`, its prompts and
+  sampler are seeded by `round_seed(seed, n)`, and its rows get the sample ids
+  `n * rows_per_round + j`, unique over the run;
+- the runner calls (`foreach_env_runner` in sync mode; `foreach_env_runner_async` and
+  `fetch_ready_async_reqs` in async mode, as RLlib's IMPALA/APPO);
+- the steps dispatched to the learners, hence `dispatched_version`: the learner's policy
+  version once every dispatched step is trained (a step is `updates_per_step` updates).
+
+Synchronous (the paper's stale-k protocol): `sample()` one round from every runner with
+the current weights, `push()` it into the FIFO and get back the step made `staleness`
+updates earlier (None while the queue fills).
+
+Asynchronous: `request()` every round the admission rule allows (`admission.py`: no trained
+token older than `max_staleness`), `collect()` what is ready (re-requesting the rounds of a
+runner that died), `pop_step()` once the next step's rounds are all in.
+
+Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and counters
+(async; the algorithm drains the rounds in flight first).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from m2po_rllib import keys
+from m2po_rllib.rollout.admission import AsyncRollouts
+from m2po_rllib.rollout.env_runner import round_seed, sample_and_metrics
+from m2po_rllib.wire.batch import concat_rollouts
+from m2po_rllib.wire.weights import PublishedWeights
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_TAG = "m2po_sample"  # RLlib's tag of our in-flight sample requests
+RETRY_S = 1.0  # sync: between attempts to restore runners that returned nothing
+
+Rollout = dict[str, np.ndarray]
+
+
+class RolloutSampler:
+    def __init__(self, config, runners, restore: Callable[[], None], start_version: int):
+        """`runners`: the algorithm's EnvRunnerGroup; `restore()` brings failed runners back
+        (`Algorithm.restore_env_runners`); `start_version`: the learner's policy version now."""
+        self.config = config
+        self.runners = runners
+        self._restore = restore
+        self.remote = runners.num_remote_env_runners() > 0
+        self.rounds_per_step = config.num_env_runners if config.async_rollouts else max(1, runners.num_remote_env_runners())
+        self.prompts_per_round = config.prompts_per_step // self.rounds_per_step
+        self.rows_per_round = self.prompts_per_round * config.group_size
+        self.updates_per_step = config.updates_per_step
+        # async: the admission bookkeeping (pure, no Ray); sync: the stale-k FIFO
+        self.admission = (
+            AsyncRollouts(
+                rounds_per_step=self.rounds_per_step, updates_per_step=self.updates_per_step,
+                max_staleness=config.max_staleness, rows_per_round=self.rows_per_round,
+            )
+            if config.async_rollouts
+            else None
+        )
+        self.queue: collections.deque[Rollout] = collections.deque()
+        self.steps_sampled = 0  # sync: steps whose rounds were sampled
+        self._base_version = start_version  # the learner's version before step 0
+
+    # -- both modes ----------------------------------------------------------------------
+    @property
+    def steps_dispatched(self) -> int:
+        if self.admission is not None:
+            return self.admission.next_step
+        return self.steps_sampled - len(self.queue)
+
+    @property
+    def dispatched_version(self) -> int:
+        """The learner's policy version once every step dispatched so far is trained."""
+        return self._base_version + self.steps_dispatched * self.updates_per_step
+
+    def round_request(self, n: int, weights: PublishedWeights | None) -> dict[str, Any]:
+        """The keyword arguments of `LLMEnvRunner.sample` for round n."""
+        return dict(
+            num_prompts=self.prompts_per_round, seed=round_seed(self.config.seed, n), stream=0,
+            weights=weights, first_sample_id=n * self.rows_per_round,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        if self.admission is None:
+            return {keys.QUEUE_LEN: len(self.queue)}
+        return {
+            keys.QUEUE_LEN: len(self.admission.arrived),
+            keys.DROPPED_ROWS: self.admission.dropped_rows,
+            keys.ROUNDS_IN_FLIGHT: self.admission.num_in_flight(),
+        }
+
+    # -- synchronous ---------------------------------------------------------------------
+    def sample(self, weights: PublishedWeights) -> tuple[Rollout, list[dict], float]:
+        """One round from every runner (the local one when there are no remote runners):
+        the rollout, the runners' metrics, and the seconds they were busy."""
+        cfg = self.config
+        first = self.steps_sampled * self.rounds_per_step
+        # every runner's request, by worker index (the local runner is 0); the function
+        # shipped to the runners holds plain values only
+        requests = {i: self.round_request(first + max(0, i - 1), weights) for i in range(self.rounds_per_step + 1)}
+        deadline = time.monotonic() + cfg.env_runner_restore_timeout_s + cfg.sample_timeout_s
+        while True:
+            out = self.runners.foreach_env_runner(
+                lambda runner: sample_and_metrics(runner, **requests[runner.worker_index]),
+                local_env_runner=not self.remote,
+                timeout_seconds=cfg.sample_timeout_s,
+            )
+            if out:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no EnvRunner returned samples within {cfg.sample_timeout_s} s, and none could "
+                    "be restored; see the runners' logs (raise `sample_timeout_s` for slow rounds)"
+                )
+            # A failed runner (e.g. a dead vLLM engine) is restarted by Ray; bring it back and
+            # sample this round again (requests carry the current weights).
+            logger.warning("no EnvRunner returned samples; restoring failed runners and retrying")
+            time.sleep(RETRY_S)
+            self._restore()
+        if len(out) != self.rounds_per_step:
+            logger.warning("%d of %d EnvRunners returned samples this round; training on %d prompts",
+                           len(out), self.rounds_per_step, len(out) * self.prompts_per_round)
+        self.steps_sampled += 1
+        return concat_rollouts([b for b, _, _ in out]), [m for _, m, _ in out], sum(busy for _, _, busy in out)
+
+    def push(self, rollout: Rollout) -> Rollout | None:
+        """Queues a sampled step; returns the one `queue_lag_steps` older, or None while the
+        queue fills."""
+        self.queue.append(rollout)
+        if len(self.queue) <= self.config.queue_lag_steps:
+            return None
+        return self.queue.popleft()
+
+    # -- asynchronous --------------------------------------------------------------------
+    def request(self, weights: PublishedWeights) -> None:
+        """Sends every admissible round to a runner with room for one more request."""
+        if self.admission is None:
+            return
+        pipe = self.admission
+        for runner_id in self.runners.healthy_env_runner_ids():
+            while pipe.num_in_flight(runner_id) < self.config.max_requests_in_flight_per_env_runner:
+                n = pipe.next_request(weights.version, self.dispatched_version)
+                if n is None:
+                    return
+                sent = self.runners.foreach_env_runner_async(
+                    sample_and_metrics, tag=SAMPLE_TAG, kwargs=self.round_request(n, weights),
+                    remote_worker_ids=[runner_id],
+                )
+                if not sent:
+                    break  # RLlib's in-flight limit for this runner
+                pipe.sent(runner_id, n)
+
+    def collect(self) -> tuple[bool, list[dict], float]:
+        """Files the rounds that are ready and re-requests those of runners that died:
+        (anything happened, the runners' metrics, the seconds they were busy)."""
+        pipe = self.admission
+        ready = self.runners.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=0.0)
+        metrics, busy = [], 0.0
+        for runner_id, (batch, runner_metrics, busy_s) in ready:
+            pipe.received(runner_id, batch)
+            metrics.append(runner_metrics)
+            busy += busy_s
+        healthy = set(self.runners.healthy_env_runner_ids())
+        lost = [r for r in list(pipe.in_flight) if r not in healthy and pipe.num_in_flight(r)]
+        for runner_id in lost:
+            rounds = pipe.lost(runner_id)
+            logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
+        if len(healthy) < self.runners.num_remote_env_runners():
+            self._restore()
+        return bool(ready or lost), metrics, busy
+
+    def pop_step(self) -> tuple[Rollout | None, bool]:
+        """(the next step's rounds as one batch, or None; whether rounds over the bound were
+        dropped and re-requested)."""
+        pipe = self.admission
+        if not pipe.step_ready():
+            return None, False
+        dropped = pipe.dropped_rows
+        batches = pipe.pop_step(self.dispatched_version)
+        if batches is None:
+            return None, pipe.dropped_rows > dropped
+        return concat_rollouts(batches), False
+
+    def num_in_flight(self) -> int:
+        return self.admission.num_in_flight() if self.admission is not None else 0
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "queue": list(self.queue),
+            "steps_sampled": self.steps_sampled,
+            "admission": self.admission.get_state() if self.admission is not None else None,
+        }
+
+    def set_state(self, state: dict[str, Any], learner_version: int) -> None:
+        """Restores the counters; `learner_version`: the restored learner's (every step
+        dispatched before the checkpoint was trained: it drained them)."""
+        self.queue = collections.deque(state["queue"])
+        self.steps_sampled = int(state["steps_sampled"])
+        if self.admission is not None and state.get("admission") is not None:
+            self.admission.set_state(state["admission"])
+        self._base_version = learner_version - self.steps_dispatched * self.updates_per_step

@@ -1,0 +1,310 @@
+"""The checks `M2POConfig.validate()` runs, each a function of the config that returns its
+problems: `(settings, message)`, the settings at fault and a message naming the value and
+the fix. `validate()` runs them in stages (types first: RLlib's own checks fail with a
+traceback on e.g. `lr="abc"`; shapes only once every value is in range) and raises one
+`ConfigError` listing every problem of the first stage that has any.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
+from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
+
+Problem = tuple[tuple[str, ...], str]
+Check = Callable[[object], list[Problem]]
+
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")
+MODEL_DTYPES = ("float32", "bfloat16")  # fp16 would need a gradient scaler; bf16 has fp32's range
+
+# The type each M2PO setting (and the RLlib settings M2PO reads) must have.
+_INT, _NUMBER = "an int", "a number"
+_TYPES = {
+    **dict.fromkeys(
+        ("group_size", "prompts_per_step", "minibatch_prompts", "staleness", "num_epochs",
+         "max_new_tokens", "logp_mismatch_interval", "eval_samples", "evaluation_duration",
+         "num_env_runners", "num_learners", "broadcast_interval", "logp_chunk_size"),
+        _INT,
+    ),
+    **dict.fromkeys(("m2_threshold", "temperature", "top_p", "weight_decay"), _NUMBER),
+}
+_OPTIONAL = {
+    "eps_low": _NUMBER, "eps_high": _NUMBER, "evaluation_interval": _INT, "seed": _INT,
+    "micro_batch_size": _INT, "max_staleness": _INT,
+}
+_BOOLS = ("recompute_behavior_logp", "async_rollouts")
+
+
+def _is(value, kind: str) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind == _INT else isinstance(value, (int, float))
+
+
+def problem(settings: str | tuple[str, ...], message: str) -> Problem:
+    return ((settings,) if isinstance(settings, str) else tuple(settings), message)
+
+
+# -- stage 1: types ------------------------------------------------------------------------
+def check_types(config) -> list[Problem]:
+    out = [
+        problem(name, f"`{name}` ({getattr(config, name)!r}) must be {kind}")
+        for name, kind in [*_TYPES.items(), *_OPTIONAL.items()]
+        if not _is(getattr(config, name), kind) and not (name in _OPTIONAL and getattr(config, name) is None)
+    ]
+    if not (_is(config.lr, _NUMBER) or isinstance(config.lr, (list, tuple))):
+        out.append(problem("lr", f"`lr` ({config.lr!r}) must be a number (or an RLlib schedule, [[step, lr], ...])"))
+    for name in _BOOLS:
+        if not isinstance(getattr(config, name), bool):
+            out.append(problem(name, f"`{name}` ({getattr(config, name)!r}) must be true or false"))
+    return out
+
+
+# -- stage 2: each value on its own ----------------------------------------------------------
+def check_loss(config) -> list[Problem]:
+    out = []
+    if config.policy_loss not in POLICY_LOSSES:
+        out.append(problem("policy_loss", f"`policy_loss` ({config.policy_loss!r}) must be one of {sorted(POLICY_LOSSES)}"))
+    else:
+        accepted = policy_loss_params(config.policy_loss)
+        unknown = set(config.policy_loss_kwargs or {}) - set(accepted)
+        if unknown:
+            out.append(problem(
+                "policy_loss_kwargs",
+                f"`policy_loss_kwargs` has {sorted(unknown)}, which `{config.policy_loss}` does not take; "
+                f"it accepts {sorted(accepted)}",
+            ))
+    for name, valid in (("loss_agg_mode", LOSS_AGG_MODES), ("mask_scope", MASK_SCOPES),
+                        ("advantage_estimator", ADVANTAGE_ESTIMATORS)):
+        if getattr(config, name) not in valid:
+            out.append(problem(name, f"`{name}` ({getattr(config, name)!r}) must be one of {list(valid)}"))
+    if not config.m2_threshold > 0:
+        out.append(problem("m2_threshold", f"`m2_threshold` ({config.m2_threshold}) must be > 0; the paper uses 0.04"))
+    for name in ("eps_low", "eps_high", "weight_decay"):
+        if getattr(config, name) is not None and getattr(config, name) < 0:
+            out.append(problem(name, f"`{name}` ({getattr(config, name)}) must be >= 0"))
+    return out
+
+
+def check_optimization(config) -> list[Problem]:
+    out = []
+    if isinstance(config.lr, (int, float)) and not config.lr > 0:
+        out.append(problem("lr", f"`lr` ({config.lr}) must be > 0; the paper uses 1e-6, the built-in job 3e-5"))
+    if config.group_size < 2:
+        out.append(problem(
+            "group_size",
+            f"`group_size` ({config.group_size}) must be an int >= 2: group-relative advantages need 2+ samples per prompt",
+        ))
+    for name in ("prompts_per_step", "minibatch_prompts", "num_epochs", "max_new_tokens"):
+        if getattr(config, name) < 1:
+            out.append(problem(name, f"`{name}` ({getattr(config, name)}) must be a positive int"))
+    if config.logp_mismatch_interval < 0:
+        out.append(problem(
+            "logp_mismatch_interval",
+            f"`logp_mismatch_interval` ({config.logp_mismatch_interval}) must be >= 0 (0 = never)",
+        ))
+    if config.micro_batch_size is not None and config.micro_batch_size < 1:
+        out.append(problem(
+            "micro_batch_size",
+            f"`micro_batch_size` ({config.micro_batch_size}) must be a positive int (sequences per forward/backward) or None",
+        ))
+    for name in ("logp_chunk_size", "broadcast_interval"):
+        if getattr(config, name) < 1:
+            out.append(problem(name, f"`{name}` ({getattr(config, name)}) must be a positive int"))
+    if config.learner_sharding not in SHARDINGS:
+        out.append(problem(
+            "learner_sharding", f"`learner_sharding` ({config.learner_sharding!r}) must be one of {list(SHARDINGS)}"
+        ))
+    elif config.learner_sharding == FSDP and config.num_learners < 2 and not config.in_evaluation:
+        out.append(problem(
+            ("learner_sharding", "num_learners"),
+            f"`learner_sharding` ('fsdp') shards the weights over the learners, but `num_learners` is "
+            f"{config.num_learners}; set num_learners >= 2, or learner_sharding='ddp'",
+        ))
+    return out
+
+
+def check_sampling(config) -> list[Problem]:
+    out = []
+    if config.rollout_engine not in ROLLOUT_ENGINES:
+        out.append(problem("rollout_engine", f"`rollout_engine` ({config.rollout_engine!r}) must be one of {list(ROLLOUT_ENGINES)}"))
+    if not config.temperature > 0:
+        out.append(problem("temperature", f"`temperature` ({config.temperature}) must be > 0 for training rollouts"))
+    if not (0 < config.top_p <= 1):
+        out.append(problem("top_p", f"`top_p` ({config.top_p}) must be in (0, 1]"))
+    return out
+
+
+def check_model_and_env(config) -> list[Problem]:
+    out = []
+    model_config = config.model_config or {}
+    model = model_config.get("model")
+    if not model:
+        out.append(problem(
+            "model_config",
+            "no model: set `.rl_module(model_config={'model': <HF dir, hub name or 'builtin:arith-tiny'>})`",
+        ))
+    else:
+        from m2po_rllib.models.builtin import resolve_model_path
+
+        try:
+            resolve_model_path(model, check_hub=False)
+        except (ValueError, OSError) as e:
+            out.append(problem("model_config", str(e)))
+    if model_config.get("dtype") not in MODEL_DTYPES:
+        out.append(problem(
+            "model_config", f"model_config['dtype'] ({model_config.get('dtype')!r}) must be one of {list(MODEL_DTYPES)}"
+        ))
+    owned = sorted({"temperature", "logp_chunk_size"} & set(config._model_config or {}))
+    if owned:
+        out.append(problem(
+            "model_config",
+            f"model_config sets {owned}: these are M2PO settings (env_runners temperature, training "
+            "logp_chunk_size), passed to the module by the config; set them there",
+        ))
+    if config.env is None:
+        out.append(problem("env", "no env: set `.environment('m2po/Arithmetic-v0', env_config={...})`"))
+    elif (error := env_id_error(config.env)) is not None:
+        out.append(problem("env", error))
+    return out
+
+
+def check_evaluation(config) -> list[Problem]:
+    out = []
+    if config.evaluation_interval is not None and config.evaluation_interval < 0:
+        out.append(problem(
+            "evaluation_interval",
+            f"`evaluation_interval` ({config.evaluation_interval}) must be >= 0 (0 or None = no evaluation)",
+        ))
+    if config.evaluation_interval and config.evaluation_duration < 1:
+        out.append(problem(
+            "evaluation_duration", f"`evaluation_duration` ({config.evaluation_duration}) must be >= 1 held-out problem"
+        ))
+    if config.evaluation_interval and config.evaluation_duration_unit != "episodes":
+        out.append(problem(
+            "evaluation_duration_unit", "`evaluation_duration_unit` must be 'episodes' (held-out problems) for M2PO"
+        ))
+    if config.eval_samples < 1:
+        out.append(problem("eval_samples", f"`eval_samples` ({config.eval_samples}) must be an int >= 1"))
+    return out
+
+
+# -- stage 3: how the values fit together ----------------------------------------------------
+def check_batch_shapes(config) -> list[Problem]:
+    """A step splits into whole minibatches, the stale-k lag into whole steps, and a
+    minibatch over the learners, a step's prompts over the runners."""
+    out = []
+    if config.minibatch_prompts > config.prompts_per_step:
+        out.append(problem(
+            ("minibatch_prompts", "prompts_per_step"),
+            f"`minibatch_prompts` ({config.minibatch_prompts}) must be <= `prompts_per_step` "
+            f"({config.prompts_per_step}); lower minibatch_prompts or raise prompts_per_step",
+        ))
+    elif config.prompts_per_step % config.minibatch_prompts:
+        out.append(problem(
+            ("prompts_per_step", "minibatch_prompts"),
+            f"`prompts_per_step` ({config.prompts_per_step}) must be a multiple of "
+            f"`minibatch_prompts` ({config.minibatch_prompts})",
+        ))
+    elif config.staleness < 0 or config.staleness % config.updates_per_step:
+        nearest = config.updates_per_step * max(1, round(config.staleness / config.updates_per_step))
+        out.append(problem(
+            "staleness",
+            f"`staleness` ({config.staleness}) must be a non-negative multiple of the optimizer "
+            f"updates per step ({config.updates_per_step} = num_epochs x prompts_per_step / "
+            f"minibatch_prompts); e.g. staleness={nearest}",
+        ))
+    if config.prompts_per_step % max(1, config.num_env_runners):
+        out.append(problem(
+            ("prompts_per_step", "num_env_runners"),
+            f"`prompts_per_step` ({config.prompts_per_step}) must be a multiple of "
+            f"`num_env_runners` ({config.num_env_runners}) so each runner samples whole groups",
+        ))
+    if (config.minibatch_prompts * config.group_size) % max(1, config.num_learners):
+        out.append(problem(
+            ("minibatch_prompts", "group_size", "num_learners"),
+            f"a minibatch ({config.minibatch_prompts} prompts x {config.group_size}) must split evenly "
+            f"over `num_learners` ({config.num_learners})",
+        ))
+    return out
+
+
+def check_rollout_mode(config) -> list[Problem]:
+    """`async_rollouts` and what it needs; `max_staleness` only with it."""
+    if not config.async_rollouts:
+        if config.max_staleness is None:
+            return []
+        return [problem(
+            ("max_staleness", "async_rollouts"),
+            f"`max_staleness` ({config.max_staleness}) bounds asynchronous rollouts, which are off; set "
+            "async_rollouts=True, or use `staleness` for the exact-k protocol",
+        )]
+    if config.in_evaluation:  # evaluation has its own runners
+        return []
+    out = []
+    if config.num_env_runners < 1:
+        out.append(problem(
+            ("async_rollouts", "num_env_runners"),
+            f"`async_rollouts` needs remote EnvRunners to generate while the learners train; "
+            f"`num_env_runners` is {config.num_env_runners}: set it to >= 1 (or async_rollouts=False)",
+        ))
+    if config.staleness:
+        out.append(problem(
+            ("staleness", "async_rollouts"),
+            f"`staleness` ({config.staleness}) is the exact-k protocol of synchronous runs; with "
+            "`async_rollouts` the bound is `max_staleness`: set staleness=0",
+        ))
+    if config.max_staleness is None:
+        out.append(problem(
+            "max_staleness",
+            f"`max_staleness` ({config.max_staleness}) must be an int with async_rollouts: the bound, "
+            f"in optimizer updates, on the age of every trained token (>= {config.min_max_staleness})",
+        ))
+    elif config.max_staleness < config.min_max_staleness:
+        out.append(problem(
+            ("max_staleness", "broadcast_interval"),
+            f"`max_staleness` ({config.max_staleness}) must be >= {config.min_max_staleness} = "
+            f"(broadcast_interval + 1) x updates_per_step - 1 ({config.broadcast_interval} + 1) x "
+            f"{config.updates_per_step} - 1: one round in flight while the previous step trains is "
+            f"already that old; raise max_staleness, or use async_rollouts=False for on-policy data",
+        ))
+    if config.recompute_behavior_logp:
+        out.append(problem(
+            ("recompute_behavior_logp", "async_rollouts"),
+            "`recompute_behavior_logp` needs the learner to hold the generating weights when a "
+            "round arrives, which async rollouts never guarantee; set it to False",
+        ))
+    return out
+
+
+# Stages after RLlib's own `validate()`: a later stage assumes the earlier ones passed.
+STAGES: tuple[tuple[Check, ...], ...] = (
+    (check_loss, check_optimization, check_sampling, check_model_and_env, check_evaluation),
+    (check_batch_shapes,),
+    (check_rollout_mode,),
+)
+
+
+def env_id_error(env) -> str | None:
+    """None if `env` is a gymnasium id `gymnasium.make` can build, else why not."""
+    import difflib
+    import importlib
+
+    import gymnasium as gym
+
+    import envs  # noqa: F401  (registers the m2po/* ids)
+
+    if not isinstance(env, str):
+        return f"`env` ({env!r}) must be a gymnasium env id (str), e.g. 'm2po/Arithmetic-v0'"
+    module, _, env_id = env.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"`env` ({env!r}): cannot import module {module!r} ({e})"
+    if env_id in gym.registry:
+        return None
+    close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "the project's are 'm2po/Arithmetic-v0' and 'm2po/MathDataset-v0'"
+    return f"`env` ({env!r}) is not a registered gymnasium env id; {hint}"

@@ -427,6 +427,7 @@ def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
             assert history["heldout_accuracy"].iloc[1] == evaluated.iloc[1]
 
 
+@pytest.mark.slow
 def test_heldout_accuracy_is_in_every_result_and_survives_a_checkpoint(ray_session, tiny_model_dir, tmp_path):
     from m2po_rllib import M2PO
 

@@ -18,6 +18,20 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _overrides(model_dir: str) -> list[str]:
+    return [
+        f"rl_module.model_config.model={model_dir}",
+        "environment.env_config.digits=2",
+        "env_runners.max_new_tokens=4",
+        "training.prompts_per_step=4",
+        "training.group_size=4",
+        "training.minibatch_prompts=2",
+        "training.staleness=2",
+        "evaluation.evaluation_interval=2",
+        "evaluation.evaluation_duration=8",
+    ]
+
+
 # The built-in model on its own task: a small job whose held-out accuracy is not 0.
 ARITH = [
     "rl_module.model_config.model=builtin:arith-tiny",

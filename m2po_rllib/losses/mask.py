@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from m2po_rllib import keys
 from m2po_rllib.losses._dist import all_gather_cat, all_reduce_sum, world_size
 
 # tau, the M2 budget of the paper and its official code (arXiv 2510.01161): M2POConfig's
@@ -215,11 +216,11 @@ def m2po_keep_mask_global(
     kept_sum, n_kept, n_valid = all_reduce_sum(kept, group).tolist()
     nan = float("nan")
     stats = {
-        "m2po/m2_before": s["sum"] / s["n"] if s["n"] else nan,
-        "m2po/m2_after": kept_sum / n_kept if n_kept else nan,
-        "m2po/kept_tokens": n_kept,
-        "m2po/masked_tokens": n_valid - n_kept,
-        "m2po/masked_frac": (n_valid - n_kept) / n_valid if n_valid else nan,
+        keys.M2_BEFORE: s["sum"] / s["n"] if s["n"] else nan,
+        keys.M2_AFTER: kept_sum / n_kept if n_kept else nan,
+        keys.KEPT_TOKENS: n_kept,
+        keys.MASKED_TOKENS: n_valid - n_kept,
+        keys.MASKED_FRAC: (n_valid - n_kept) / n_valid if n_valid else nan,
     }
     device = log_ratio.device
     return keep, {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in stats.items()}

@@ -2,7 +2,8 @@
 
 Settings mirror RLlib's config methods (`training()`, `env_runners()`, `evaluation()`), so
 YAML configs (`configs/*.yaml`, see `config_io.py`) and Ray Tune param spaces use the same
-names. `validate()` rejects inconsistent values with the setting, the value and the fix.
+names. `validate()` runs RLlib's checks and then M2PO's (validation.py), and raises a
+`ConfigError` naming the setting, the value and the fix.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ def heldout_problems(group, wanted: int) -> int:
     if group.num_remote_env_runners() == 0:
         size = group.local_env_runner.num_problems("heldout")
     else:
-        size = group.foreach_env_runner(lambda runner: runner.num_problems("heldout"), local_env_runner=False)[0]
+        sizes = group.foreach_env_runner(lambda runner: runner.num_problems("heldout"), local_env_runner=False)
+        size = sizes[0] if sizes else None  # no runner answered: the evaluation itself will say why
     if size is None or size >= wanted:
         return wanted
     if size == 0:

@@ -151,8 +151,8 @@ def project(steps: int, warm: int) -> dict:
         for step in range(steps):
             t0 = time.perf_counter()
             result = algo.train()
-            record = history_record(result, algo.iteration, 0.0)
-            for key, value in tensorboard_scalars(result, record).items():
+            history_record(result, algo.iteration, 0.0)  # what m2po train records each iteration
+            for key, value in tensorboard_scalars(result).items():
                 tb.add_scalar(key, value, algo.iteration)
             dt = time.perf_counter() - t0
             rewards.append(result["env_runners"]["rollout/reward_mean"])

@@ -34,11 +34,25 @@ def load_records(path: str) -> list[dict]:
 
         return pq.read_table(path).to_pylist()
     if path.endswith(".jsonl"):
+        rows = []
         with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}, line {number}: a row must be a JSON object, got {type(row).__name__}")
+                rows.append(row)
+        return rows
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path!r} must hold a JSON list of objects, got {type(rows).__name__}")
         return rows
@@ -131,7 +145,13 @@ class DatasetTasks:
                     "Set question_field= / answer_field="
                 )
         seen, problems = set(), []
-        for row in rows:
+        for number, row in enumerate(rows, start=1):
+            missing = [f for f in (self.question_field, self.answer_field) if f not in row]
+            if missing:
+                raise ValueError(
+                    f"{source}, row {number}: no field {missing[0]!r} (its fields: {sorted(row)}); every row "
+                    f"needs {self.question_field!r} and {self.answer_field!r}"
+                )
             question = str(row[self.question_field]).strip()
             if question in seen:
                 continue  # duplicates would weigh a problem twice and blur the split

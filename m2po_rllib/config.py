@@ -9,6 +9,7 @@ names. `validate()` runs RLlib's checks and then M2PO's (validation.py), and rai
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ from m2po_rllib.errors import ConfigError
 from m2po_rllib.losses import PAPER_M2_THRESHOLD, policy_loss_params
 from m2po_rllib.torch.fsdp import FSDP
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
+
+logger = logging.getLogger(__name__)
+_NOTICED: set[str] = set()
 
 # The model's compute dtype unless `model_config["dtype"]` says otherwise (validation.MODEL_DTYPES).
 DEFAULT_MODEL_DTYPE = "float32"
@@ -91,7 +95,8 @@ class M2POConfig(AlgorithmConfig):
         # Training steps between weight broadcasts to the EnvRunners.
         self.broadcast_interval = 1
         # Sequences per forward/backward on each learner, with gradient accumulation over
-        # the minibatch (None: the whole per-learner minibatch at once).
+        # the minibatch (None: the whole per-learner minibatch at once). It need not divide
+        # the minibatch: the last micro-batch is smaller, and the gradient is the same.
         self.micro_batch_size = None
         # Response positions per chunk of the log-prob / entropy computation: peak memory
         # O(micro_batch_size x logp_chunk_size x vocab) instead of the whole response.
@@ -309,6 +314,10 @@ class M2POConfig(AlgorithmConfig):
             raise ConfigError(f"Invalid M2POConfig: {e}") from e
         for stage in validation.STAGES:
             self._raise([p for check in stage for p in check(self)])
+        for notice in validation.notices(self):
+            if notice not in _NOTICED:  # validate() runs on every copy of the config: say it once
+                _NOTICED.add(notice)
+                logger.warning(notice)
 
     @property
     def min_max_staleness(self) -> int:

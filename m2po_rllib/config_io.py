@@ -68,7 +68,12 @@ def parse_override(item: str) -> tuple[str, str, Any]:
             f"override {item!r} needs a section: one of {', '.join(SECTIONS)} (e.g. training.{path}={raw})"
         )
     section, key = path.split(".", 1)
-    return section, key, _numbers(yaml.safe_load(raw))
+    return section, key, parse_value(raw)
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as YAML reads it (`1e-5` is a number, as configs mean it)."""
+    return _numbers(yaml.safe_load(raw))
 
 
 def apply_overrides(spec: dict, overrides: dict | list | None) -> dict:

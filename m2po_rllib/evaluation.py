@@ -4,11 +4,38 @@
 from __future__ import annotations
 
 import collections
+import logging
 
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, EVALUATION_RESULTS
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
+from m2po_rllib.errors import ConfigError
 from m2po_rllib.keys import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_PROBLEMS, EVAL_RESPONSE_LEN
+
+logger = logging.getLogger(__name__)
+_warned: set[tuple[int, int]] = set()  # (split size, evaluation_duration) already said
+
+
+def heldout_problems(group, wanted: int) -> int:
+    """`wanted` held-out problems, or as many as the split has (said once)."""
+    if group.num_remote_env_runners() == 0:
+        size = group.local_env_runner.num_problems("heldout")
+    else:
+        sizes = group.foreach_env_runner(lambda runner: runner.num_problems("heldout"), local_env_runner=False)
+        size = sizes[0] if sizes else None  # no runner answered: the evaluation itself will say why
+    if size is None or size >= wanted:
+        return wanted
+    if size == 0:
+        raise ConfigError(
+            "the env's held-out split is empty: nothing to evaluate; give it held-out problems (e.g. "
+            "env_config heldout_fraction or heldout_path) or set evaluation_interval=0",
+            ("evaluation_interval", "env_config"),
+        )
+    if (size, wanted) not in _warned:
+        _warned.add((size, wanted))
+        logger.warning("the held-out split has %d problems, fewer than evaluation_duration=%d: evaluating all %d",
+                       size, wanted, size)
+    return size
 
 
 def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
@@ -17,7 +44,7 @@ def evaluate_heldout(algo, eval_group) -> tuple[dict, int, int]:
     cfg = algo.config
     group = eval_group if eval_group is not None and eval_group.num_remote_env_runners() > 0 else algo.env_runner_group
     n = max(1, group.num_remote_env_runners())
-    total = int(cfg.evaluation_duration)
+    total = heldout_problems(group, int(cfg.evaluation_duration))
     shards = [list(range(i, total, n)) for i in range(n)]
     samples = cfg.eval_samples
     seed = (cfg.seed or 0) + 7_777

@@ -65,3 +65,16 @@ def quiet_gputil_hint_without_gpus() -> None:
         "m2po:gputil-hint",
         lambda r: r.getMessage() == "Install gputil for GPU system monitoring.",
     )
+
+
+def quiet_rllib_new_api_stack_notice() -> None:
+    """RLlib 2.60's `AlgorithmConfig.validate()` logs "You are running M2PO on the new API
+    stack! This is the new default behavior ... If you don't want to use the new API stack,
+    set `config.api_stack(...=False)`" on every build, whatever the config says. M2PO runs
+    on the new API stack only (its Learner, RLModule and EnvRunner are new-stack classes), so
+    the advice cannot be taken: dropped for M2PO, kept for any other algorithm."""
+    _install(
+        "ray.rllib.algorithms.algorithm_config",
+        "m2po:new-api-stack",
+        lambda r: r.getMessage().startswith("You are running M2PO on the new API stack!"),
+    )

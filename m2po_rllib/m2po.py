@@ -20,7 +20,9 @@ runners) and ride with the next request to each runner, which loads them between
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 
 import numpy as np
@@ -45,17 +47,30 @@ import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib import keys
 from m2po_rllib.config import M2POConfig
 from m2po_rllib.learner_calls import on_learners, ready_update_results
-from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus
+from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
+from m2po_rllib.resources import WaitingNotice, check_actors_fit, requested
 from m2po_rllib.rollout.sampler import RolloutSampler
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch
 from m2po_rllib.wire.weights import PublishedWeights
 
 quiet_gputil_hint_without_gpus()
+quiet_rllib_new_api_stack_notice()
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.002  # async: between polls of the requests in flight when nothing is ready
+
+
+def local_path(path):
+    """A local checkpoint path (relative, or with ~) made absolute; a URI (`s3://...`),
+    None or a pyarrow path as given. RLlib's checkpoints read a relative path as a URI
+    without a scheme ("URI has empty scheme")."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 class _IterationPace:
@@ -93,7 +108,8 @@ class M2PO(Algorithm):
     def setup(self, config) -> None:
         use_cpus(config.num_cpus_for_main_process)  # this process computes with its own CPUs
         self._heldout_accuracy: float | None = None
-        super().setup(config)
+        with self._actors_placed(config):
+            super().setup(config)
         # The newest weights the learners published; the policy version is theirs (the
         # learner owns it), as their results last reported it.
         self._weights = self.learner_weights()
@@ -103,6 +119,22 @@ class M2PO(Algorithm):
             config, self.env_runner_group, lambda: self.restore_env_runners(self.env_runner_group), self._weights.version
         )
         self._iter = _IterationPace()
+
+    @contextlib.contextmanager
+    def _actors_placed(self, config):
+        """Fails at once if the actors can never fit this local Ray; on a cluster this
+        process joined, says every 30 s what they wait for (resources.py)."""
+        need = requested(self.default_resource_request(config).bundles)
+        if not any(need.values()) or ray.util.get_current_placement_group() is not None:
+            yield  # no actors, or a Tune trial whose placement group holds them
+            return
+        if not ray.is_initialized():
+            ray.init()  # what Ray does on the first actor anyway; the check needs the cluster
+        local = bool(getattr(ray._private.worker._global_node, "head", False))  # started by this process
+        check_actors_fit(config, self.default_resource_request(config).bundles, cluster=ray.cluster_resources(),
+                         local=local)
+        with WaitingNotice(need, ray.available_resources):
+            yield
 
     @property
     def policy_version(self) -> int:
@@ -308,6 +340,21 @@ class M2PO(Algorithm):
         rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
 
     # -- checkpoints: the stale queue and the rounds in flight are training state ---------
+    # Paths: RLlib reads a relative path as a URI without a scheme and fails; a local path
+    # (relative, or with ~) is made absolute here, at the API's edge. URIs pass unchanged.
+    @override(Algorithm)
+    def save_to_path(self, path=None, *args, **kwargs) -> str:
+        return super().save_to_path(local_path(path), *args, **kwargs)
+
+    @override(Algorithm)
+    def restore_from_path(self, path, *args, **kwargs):
+        return super().restore_from_path(local_path(path), *args, **kwargs)
+
+    @classmethod
+    @override(Algorithm)
+    def from_checkpoint(cls, path, *args, **kwargs):
+        return super().from_checkpoint(local_path(path), *args, **kwargs)
+
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         self._drain()

@@ -7,6 +7,7 @@ traceback on e.g. `lr="abc"`; shapes only once every value is in range) and rais
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
@@ -16,6 +17,7 @@ Problem = tuple[tuple[str, ...], str]
 Check = Callable[[object], list[Problem]]
 
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 MODEL_DTYPES = ("float32", "bfloat16")  # fp16 would need a gradient scaler; bf16 has fp32's range
 
 # The type each M2PO setting (and the RLlib settings M2PO reads) must have.
@@ -149,9 +151,17 @@ def check_model_and_env(config) -> list[Problem]:
         from m2po_rllib.models.builtin import resolve_model_path
 
         try:
-            resolve_model_path(model, check_hub=False)
+            path = resolve_model_path(model, check_hub=False)
         except (ValueError, OSError) as e:
             out.append(problem("model_config", str(e)))
+        else:
+            if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                out.append(problem(
+                    "model_config",
+                    f"model_config['model'] ({model!r}) has no tokenizer ({' / '.join(TOKENIZER_FILES[:2])}): the "
+                    "runners tokenize every prompt with the policy's own; save it beside the weights "
+                    "(`tokenizer.save_pretrained(dir)`)",
+                ))
     if model_config.get("dtype") not in MODEL_DTYPES:
         out.append(problem(
             "model_config", f"model_config['dtype'] ({model_config.get('dtype')!r}) must be one of {list(MODEL_DTYPES)}"
@@ -275,6 +285,19 @@ def check_rollout_mode(config) -> list[Problem]:
             "`recompute_behavior_logp` needs the learner to hold the generating weights when a "
             "round arrives, which async rollouts never guarantee; set it to False",
         ))
+    return out
+
+
+def notices(config) -> list[str]:
+    """Settings that are valid but make the run wrong in a way the user must know about."""
+    out = []
+    if config.top_p < 1:
+        out.append(
+            f"`top_p` ({config.top_p}) < 1: the engine samples from the truncated distribution and "
+            "reports log-probs renormalised over the kept tokens, which the learner does not replay, so "
+            "every importance ratio is off by the kept mass even on-policy (measured: |learner - engine| "
+            "log-prob up to 0.1 at top_p=0.9) and M2PO's second moment measures that error; use top_p=1"
+        )
     return out
 
 

@@ -130,6 +130,29 @@ def test_a_model_that_cannot_load_is_one_clear_line(tiny_model_dir, monkeypatch,
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_model_without_a_tokenizer_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special*"))
+    with pytest.raises(ConfigError) as err:
+        tiny_config(str(bare)).validate()
+    assert f"model_config['model'] ('{bare}') has no tokenizer" in str(err.value)
+    assert err.value.settings == ("model_config",)
+
+
+def test_truncated_sampling_is_announced_once(tiny_model_dir, caplog):
+    """top_p < 1 is valid but its ratios are wrong until the learner replays the truncation:
+    validate() says so, once however often the config is validated."""
+    cfg = tiny_config(tiny_model_dir).env_runners(top_p=0.93)
+    with caplog.at_level("WARNING", logger="m2po_rllib.config"):
+        cfg.validate()
+        cfg.validate()
+        tiny_config(tiny_model_dir).validate()
+    said = [r.getMessage() for r in caplog.records if "top_p" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("`top_p` (0.93) < 1: the engine samples from the truncated")
+
+
 def test_an_unknown_env_id_suggests_the_close_one(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir).environment("m2po/Arithmetc-v0")
     with pytest.raises(ValueError, match=r"`env` \('m2po/Arithmetc-v0'\) is not a registered gymnasium env id; did you mean 'm2po/Arithmetic-v0'"):
@@ -282,16 +305,18 @@ def test_stale_k_trains_on_data_exactly_k_updates_old(ray_session, tiny_model_di
 
 
 @pytest.mark.slow
-def test_checkpoint_resume_matches_uninterrupted_run(ray_session, tiny_model_dir, tmp_path):
+def test_checkpoint_resume_matches_uninterrupted_run(ray_session, tiny_model_dir, tmp_path, monkeypatch):
     def losses(algo, n):
         return [algo.train()["learners"]["default_policy"]["policy/loss"] for _ in range(n)]
 
+    monkeypatch.chdir(tmp_path)  # a relative path, as README's example writes it
     cfg = tiny_config(tiny_model_dir, staleness=2)
     algo = cfg.build_algo()
     try:
         algo.train()  # fills the queue (lag 1 step)
         losses(algo, 1)
-        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
+        ckpt = algo.save_to_path("ckpt")
+        assert ckpt == str(tmp_path / "ckpt")
         queue_before = [b["policy_version"].tolist() for b in algo.stale_queue]
         expected = losses(algo, 2)
     finally:
@@ -299,7 +324,7 @@ def test_checkpoint_resume_matches_uninterrupted_run(ray_session, tiny_model_dir
 
     from m2po_rllib import M2PO
 
-    resumed = M2PO.from_checkpoint(ckpt)
+    resumed = M2PO.from_checkpoint("ckpt")
     try:
         assert [b["policy_version"].tolist() for b in resumed.stale_queue] == queue_before
         assert resumed.policy_version == 2 and len(resumed.stale_queue) == 1
@@ -428,8 +453,11 @@ def test_tune_searches_m2_threshold(ray_session, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_heldout_accuracy_is_in_every_result_and_survives_a_checkpoint(ray_session, tiny_model_dir, tmp_path):
+def test_heldout_accuracy_is_in_every_result_and_survives_a_checkpoint(ray_session, tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
     from m2po_rllib import M2PO
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # a checkpoint path with ~
 
     cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=4, evaluation_duration=4)
     cfg.environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
@@ -438,10 +466,10 @@ def test_heldout_accuracy_is_in_every_result_and_survives_a_checkpoint(ray_sessi
         results = [algo.train() for _ in range(2)]
         first = results[0]["evaluation"]["env_runners"]["eval/accuracy"]  # evaluated before iteration 1
         assert [r["heldout_accuracy"] for r in results] == [first, first]
-        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
+        assert algo.save_to_path("~/ckpt") == str(tmp_path / "ckpt")
     finally:
         algo.stop()
-    resumed = M2PO.from_checkpoint(ckpt)
+    resumed = M2PO.from_checkpoint("~/ckpt")
     try:
         result = resumed.train()  # iteration 3: no evaluation, the restored value is carried
         assert result["heldout_accuracy"] == first
@@ -557,3 +585,22 @@ def test_building_the_module_logs_no_rlmodule_config_deprecation(tiny_model_dir)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "HFCausalLMModule"
     assert "RLModuleConfig" not in out.stderr + out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_held_out_split_smaller_than_the_evaluation_is_evaluated_whole(ray_session, tiny_model_dir, tmp_path):
+    """A user's small dataset holds out 3 problems while evaluation_duration asks for 200:
+    all 3 are evaluated (and the log says so) instead of an IndexError."""
+    data = os.path.join(os.path.dirname(__file__), "fixtures", "gsm8k_sample.jsonl")
+    held = tmp_path / "held.jsonl"
+    with open(data) as f:
+        held.write_text("".join(f.readlines()[:3]))
+    cfg = tiny_config(tiny_model_dir).environment(
+        "m2po/MathDataset-v0", env_config={"path": data, "heldout_path": str(held), "template": "compact"}
+    ).evaluation(evaluation_interval=1, evaluation_duration=200)
+    algo = cfg.build_algo()
+    try:
+        result = algo.evaluate()
+        assert result["env_runners"]["num_problems"] == 3
+    finally:
+        algo.stop()

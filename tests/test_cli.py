@@ -162,7 +162,7 @@ def assert_resume_sets_the_optimizer_lr(run: Path, saved_lr: float) -> None:
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_train_resume_eval_export(tmp_path, capfd):
+def test_train_resume_eval_export(tmp_path, capfd, monkeypatch):
     run = tmp_path / "run"
     # a relative --output (run from tmp_path), with a checkpoint inside the loop
     out = _m2po(
@@ -198,7 +198,8 @@ def test_train_resume_eval_export(tmp_path, capfd):
     assert_resume_sets_the_optimizer_lr(run, saved_lr=5e-4)
 
     hf_dir = tmp_path / "hf"
-    code, _, err = _m2po_here(capfd, "export", "--checkpoint", str(run), "--out", str(hf_dir))
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    code, _, err = _m2po_here(capfd, "export", "--checkpoint", "run", "--out", "hf")
     assert code == 0, err[-3000:]
     import torch
     from transformers import AutoModelForCausalLM
@@ -212,7 +213,7 @@ def test_train_resume_eval_export(tmp_path, capfd):
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
     assert any(not torch.equal(exported[k], base[k]) for k in base), "export holds the base weights"
 
-    code, stdout, err = _m2po_here(capfd, "eval", "--checkpoint", str(run), "--num", "24")
+    code, stdout, err = _m2po_here(capfd, "eval", "--checkpoint", "run", "--num", "24")
     assert code == 0, err[-3000:]
     result = json.loads(stdout[stdout.index("{") :])
     assert result["problems"] == 24
@@ -274,3 +275,40 @@ def test_ctrl_c_saves_a_checkpoint_anywhere_and_the_run_resumes(tmp_path, capfd)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] is True and 2 <= summary["iterations"] < 1000
     assert summary["start_heldout_accuracy"] == heldout_greedy_accuracy("builtin:arith-tiny", 24)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_the_record_survives_a_crash_like_the_checkpoint(tmp_path, capfd, monkeypatch):
+    """A job killed between checkpoints (here: a crash injected into iteration 4, after the
+    checkpoint of iteration 2) leaves history.json and summary.json as of that checkpoint;
+    --resume redoes iteration 3 and the record runs on: one history from iteration 1, the
+    start accuracy kept, the training time of both parts."""
+    from m2po_rllib.m2po import M2PO
+
+    run = tmp_path / "run"
+    train = M2PO.train
+
+    def crash_in_iteration_4(algo):
+        if algo.iteration == 3:
+            raise SystemExit("killed")  # no handler runs: as kill -9, for the record
+        return train(algo)
+
+    monkeypatch.setattr(M2PO, "train", crash_in_iteration_4)
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        _m2po_here(capfd, "train", "--stop-iters", "5", "--checkpoint-every", "2", "--output", str(run), "--no-progress",
+                   *ARITH)
+    history = json.loads((run / "history.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["iteration"] for h in history] == [1, 2] and summary["iterations"] == 2
+    start, seconds = summary["start_heldout_accuracy"], summary["train_seconds"]
+    assert start is not None and seconds > 0
+
+    monkeypatch.setattr(M2PO, "train", train)
+    code, out, err = _m2po_here(capfd, "train", "--resume", str(run), "--stop-iters", "4", "--no-progress")
+    assert code == 0, err[-3000:]
+    history = json.loads((run / "history.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["iteration"] for h in history] == [1, 2, 3, 4]
+    assert summary["start_heldout_accuracy"] == start and summary["train_seconds"] > seconds
+    assert summary["iterations"] == 4 and re.search(r"change \(points\)\s+[+-]\d", out)

@@ -398,3 +398,17 @@ def test_dataset_problem_ids_are_the_same_in_every_process():
             env={**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": root},
         )
         assert json.loads(out.stdout) == expected
+
+
+def test_malformed_data_names_the_file_the_line_and_the_field(tmp_path):
+    row = '{"question": "What is 1+1?", "answer": "2"}\n'
+    data = tmp_path / "mine.jsonl"
+    data.write_text(row * 4 + '{"question": "What is 2+2?", "answer": "4\n')  # line 5 unterminated
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(data))}, line 5: not valid JSON \("):
+        DatasetTasks(path=str(data))
+    data.write_text(row + '{"question": "What is 3+3?"}\n')  # row 2 has no answer
+    with pytest.raises(ValueError) as err:
+        DatasetTasks(path=str(data))
+    assert str(err.value) == (
+        f"{data}, row 2: no field 'answer' (its fields: ['question']); every row needs 'question' and 'answer'"
+    )

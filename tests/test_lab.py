@@ -200,3 +200,15 @@ def test_stopper_rejects_bad_settings(spec, needle):
     with pytest.raises(ValueError) as err:
         CollapseStopper.from_spec(spec)
     assert needle in str(err.value)
+
+
+def test_stop_on_the_command_line_shortens_every_trial(tmp_path, tiny_model_dir, capsys):
+    """`m2po lab --stop policy_version=8` replaces the space's stop rule (a quick try of a
+    long space); the dry run prints the rule every trial would stop at."""
+    from m2po_rllib.jobs.cli import main
+
+    path = _space(tmp_path, tiny_model_dir)
+    assert main(["lab", "--space", str(path), "--dry-run", "--stop", "policy_version=8"]) == 0
+    assert "2 valid trials; stop at {'policy_version': 8}" in capsys.readouterr().out
+    assert main(["lab", "--space", str(path), "--dry-run", "--stop", "policy_version"]) == 2
+    assert "--stop 'policy_version' must look like key=value" in capsys.readouterr().err

@@ -44,3 +44,23 @@ def test_the_gputil_hint_is_dropped_only_on_a_machine_without_gpus(monkeypatch):
     quiet_gputil_hint_without_gpus()
     seen = _logged_by_util_monitor(logger)
     assert HINT not in seen and "another message" in seen
+
+
+def test_rllibs_new_api_stack_notice_is_dropped_for_m2po_only():
+    """RLlib logs "You are running M2PO on the new API stack! ... set config.api_stack(...)"
+    on every build; M2PO has no old stack to go back to, so that line (and only that one,
+    for M2PO only) is dropped once the algorithm is imported."""
+    import m2po_rllib.m2po  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("ray.rllib.algorithms.algorithm_config")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for algo in ("M2PO", "PPO"):  # RLlib's own wording (algorithm_config.py)
+            logger.warning(f"You are running {algo} on the new API stack! This is the new default behavior for "
+                           "this algorithm.")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["You are running PPO on the new API stack! This is the new default behavior for this algorithm."]

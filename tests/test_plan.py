@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,23 @@ def test_local_model_directory_count_matches_the_loaded_model(tiny_model_dir):
 def test_unknown_hub_model_is_a_clear_error():
     with pytest.raises(ValueError, match="no-such-org/no-such-model.*local model directory"):
         model_shape("no-such-org/no-such-model")
+
+
+def test_the_builtin_job_plan_reads_as_its_size(capsys):
+    """`m2po plan` on the main job: the 0.8M-parameter model is not "0.00 B", and its short
+    sequences (bounded by the model's positions) raise no length warning."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert main(["plan", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"arith-tiny \(qwen2\): [1-9][\d.]* [KM] parameters", out), out
+    assert "0.00 B" not in out and "exceed the model's max_position_embeddings" not in out
+
+
+def test_plan_compares_the_actors_with_this_machine(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert main(["plan", "--config", QWEN3_STALE0]) == 0  # 8 runners at 1 CPU (the learners take GPUs)
+    assert "warning: the actors need 8 CPUs and this machine has 2" in capsys.readouterr().out
+    config = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert main(["plan", "--config", str(config)]) == 0  # one process: no actors
+    assert "the actors need" not in capsys.readouterr().out

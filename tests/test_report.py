@@ -216,3 +216,55 @@ def test_lab_report_equals_the_trials_results(lab_experiment):
     assert "001_policy_loss=grpo: collapsed: clipped_frac" in md
     for name in FIGURES:
         assert (out / f"{name}.png").stat().st_size > 1000
+
+
+def test_a_run_that_has_not_trained_yet_says_so(train_runs, tmp_path, capsys):
+    """A stale-k run stopped while its queue fills has no update: the report says so (and
+    draws the empty diagnostics with that note) instead of an empty row without a word."""
+    import shutil
+
+    run = tmp_path / "filling"
+    shutil.copytree(train_runs[0], run, ignore=shutil.ignore_patterns("report", "checkpoint", "tensorboard"))
+    history = json.loads((run / "history.json").read_text())
+    (run / "history.json").write_text(json.dumps(history[:1]))  # iteration 1 only filled the queue
+    assert history[0]["policy_version"] == 0
+    code, _, err = _report(capsys, str(run), "--out", str(tmp_path / "report"))
+    assert code == 0, err
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "filling: not trained yet: its 1 iteration(s) only filled the stale queue (staleness 2 updates)" in md
+    assert (tmp_path / "report" / "m2.png").exists()
+    full = _report(capsys, *map(str, train_runs), "--out", str(tmp_path / "trained"))
+    assert full[0] == 0 and "not trained yet" not in (tmp_path / "trained" / "report.md").read_text()
+
+
+def test_tensorboard_names_every_readme_metric_as_the_result_does(train_runs):
+    """`m2po train` writes each metric README's "Metrics" names, under its path in the
+    result, by default (run.tensorboard: default)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(train_runs[0] / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    readme = (REPO / "README.md").read_text()
+    metrics = readme[readme.index("### Metrics"):readme.index("### Your own problems")]
+    documented = {"heldout_accuracy", "policy_version", "staleness/mean", "staleness/max", "staleness/queue_len",
+                  "staleness/filling", "rollout/logp_mismatch_max", "learners/default_policy/policy/grad_norm",
+                  "learners/default_policy/policy/micro_batches", "learners/default_policy/staleness/trained_max",
+                  "learners/default_policy/m2po/m2_before", "learners/default_policy/m2po/masked_frac",
+                  "learners/default_policy/m2po/entropy_all", "learners/default_policy/policy/log_ratio_abs_max"}
+    for tag in documented:  # each named in README (its last part at least) and written
+        assert tag.split("/", 2)[-1] in metrics, tag
+        assert tag in tags, (tag, sorted(tags))
+    assert not [t for t in tags if t.startswith("history/")]
+
+
+def test_two_runs_of_one_seed_are_one_seed(train_runs, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "again"
+    shutil.copytree(train_runs[0], copy, ignore=shutil.ignore_patterns("report", "checkpoint", "tensorboard"))
+    code, _, err = _report(capsys, str(train_runs[0]), str(copy), "--out", str(tmp_path / "report"))
+    assert code == 0, err
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert _row(md, "m2po, stale 2, tau 0.04, lr 0.0001")[1] == "1 (0), 2 runs"
+    assert str(tmp_path) not in md  # paths relative to the report, so it can move

@@ -70,3 +70,73 @@ def test_gpu_counts_follow_the_config():
     pgf = M2PO.default_resource_request(M2POConfig.from_spec(spec))
     assert pgf.bundles[1:] == [{"CPU": 4.0, "GPU": 1.0}] * 2 + [{"CPU": 2.0, "GPU": 0.5}] * 4
     assert pgf.required_resources == {"CPU": 1.0 + 8 + 8, "GPU": 4.0}
+
+
+# -- actors that cannot fit ------------------------------------------------------------------
+def _actor_config(tiny_model_dir, runners: int, runner_cpus: float, learners: int) -> M2POConfig:
+    return (
+        M2POConfig()
+        .environment("m2po/Arithmetic-v0", env_config={"digits": 1})
+        .env_runners(num_env_runners=runners, num_cpus_per_env_runner=runner_cpus, rollout_engine="hf")
+        .learners(num_learners=learners)
+        .rl_module(model_config={"model": tiny_model_dir})
+        .training(group_size=2, prompts_per_step=2, minibatch_prompts=2)
+    )
+
+
+def test_actors_larger_than_a_local_cluster_fail_with_the_arithmetic(tiny_model_dir):
+    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.resources import check_actors_fit
+
+    config = _actor_config(tiny_model_dir, runners=2, runner_cpus=1, learners=1)
+    bundles = M2PO.default_resource_request(config).bundles
+    with pytest.raises(ConfigError) as err:
+        check_actors_fit(config, bundles, cluster={"CPU": 2.0}, local=True)
+    message = str(err.value)
+    assert "need 3 CPUs (2 EnvRunner(s) x 1 CPU + 1 Learner(s) x 1 CPU)" in message
+    assert "this local Ray cluster has 2 CPUs" in message and "num_cpus_per_env_runner" in message
+    assert "num_cpus_per_env_runner" in err.value.settings
+    # the same on a cluster this process joined: it may grow, so no error (a notice instead)
+    check_actors_fit(config, bundles, cluster={"CPU": 2.0}, local=False)
+    # half a CPU per runner fits the 2-CPU machine
+    half = _actor_config(tiny_model_dir, runners=2, runner_cpus=0.5, learners=1)
+    check_actors_fit(half, M2PO.default_resource_request(half).bundles, cluster={"CPU": 2.0}, local=True)
+
+
+def test_waiting_actors_are_announced_until_the_resources_are_free():
+    import time
+
+    from m2po_rllib.resources import WaitingNotice
+
+    free = [{"CPU": 1.0}]
+    lines: list[str] = []
+    notice = WaitingNotice({"CPU": 3.0, "GPU": 0.0}, lambda: free[0], every_s=0.02, log=lines.append)
+    with notice:
+        deadline = time.monotonic() + 5
+        while len(lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        free[0] = {"CPU": 3.0}  # the autoscaler added a node
+        n = len(lines)
+        time.sleep(0.1)
+    assert n >= 2 and len(lines) == n  # announced at the start and every period, then quiet
+    assert lines[0] == ("waiting for Ray to place the algorithm's actors: they need 3 CPUs; free now: 1 CPUs "
+                        "(an autoscaling cluster adds nodes; otherwise other jobs hold them)")
+    assert WaitingNotice({"CPU": 1.0, "GPU": 0.0}, lambda: {"CPU": 2.0}).notice() is None
+
+
+@pytest.mark.slow
+def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_model_dir):
+    """The session's local Ray has 4 CPUs: 3 runners and 2 learners at 1 CPU each would wait
+    forever; `build_algo()` says so before creating any actor."""
+    import time
+
+    import ray
+
+    from m2po_rllib.errors import ConfigError
+
+    before = ray.available_resources().get("CPU")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"need 5 CPUs \(3 EnvRunner\(s\) x 1 CPU \+ 2 Learner\(s\) x 1 CPU\) and this "
+                                          r"local Ray cluster has 4 CPUs"):
+        _actor_config(tiny_model_dir, runners=3, runner_cpus=1, learners=2).build_algo()
+    assert time.monotonic() - t0 < 60 and ray.available_resources().get("CPU") == before

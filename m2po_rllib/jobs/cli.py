@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent", type=int, default=None, help="trials at a time (default: what fits)")
     p.add_argument("--dry-run", action="store_true", help="validate every trial and print the plan; run nothing")
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p.add_argument("--stop", action="append", metavar="KEY=VALUE",
+                   help="replace the space's stop rule, e.g. --stop policy_version=40 for a quick try")
     p.add_argument("overrides", nargs="*", help="section.key=value for every trial")
     p.set_defaults(func=_cmd_lab)
 
@@ -129,9 +131,9 @@ def _cmd_lab(args) -> int:
     from m2po_rllib.jobs.lab import dry_run, run_lab
 
     if args.dry_run:
-        return dry_run(args.space, overrides=args.overrides)
+        return dry_run(args.space, overrides=args.overrides, stop=args.stop)
     return run_lab(
-        args.space, out=args.out, max_concurrent=args.max_concurrent, overrides=args.overrides,
+        args.space, out=args.out, max_concurrent=args.max_concurrent, overrides=args.overrides, stop=args.stop,
         report=not args.no_report,
     )
 

@@ -10,7 +10,7 @@ MODULE_SUBDIR = Path("learner_group") / "learner" / "rl_module" / "default_polic
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """An algorithm checkpoint directory, given it or a run directory holding `checkpoint/`."""
-    path = Path(path)
+    path = Path(path).expanduser().resolve()  # RLlib reads a relative path as a URI
     for candidate in (path, path / "checkpoint"):
         if (candidate / "rllib_checkpoint.json").exists():
             return candidate

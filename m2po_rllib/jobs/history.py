@@ -90,9 +90,15 @@ def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any
     return record
 
 
-# What TensorBoard gets by default besides the history record's fields: RLlib's timers and
-# the pace of the pipeline (`run.tensorboard: all` writes every number of the result).
-TENSORBOARD_PREFIXES = ("timers/", "async/", "learner/", "staleness/", "rollout/")
+# What TensorBoard gets by default, named as the result names it (README "Metrics"): the
+# algorithm's keys, the learners' (learners/default_policy/...), the runners' rollout and
+# verifier keys, held-out evaluation, RLlib's timers (`run.tensorboard: all` writes every
+# number of the result).
+TENSORBOARD_KEYS = (keys.HELDOUT_ACCURACY, keys.POLICY_VERSION)
+TENSORBOARD_PREFIXES = (
+    "timers/", "async/", "learner/", "staleness/", "rollout/", "/".join(keys.LEARNER) + "/",
+    "/".join(keys.RUNNERS) + "/rollout/", "/".join(keys.RUNNERS) + "/reward/", "/".join(keys.EVALUATION) + "/eval/",
+)
 
 
 def _numbers(result: dict, prefix: str = "") -> dict[str, float]:
@@ -106,13 +112,10 @@ def _numbers(result: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def tensorboard_scalars(result: dict, record: dict[str, Any], everything: bool = False) -> dict[str, float]:
-    """The scalars of one iteration: the history record's fields (as `history/<field>`) and
-    the result's timers and pipeline metrics; with `everything`, every number of the result."""
+def tensorboard_scalars(result: dict, everything: bool = False) -> dict[str, float]:
+    """The scalars of one iteration, each under its path in the result (`heldout_accuracy`,
+    `learners/default_policy/m2po/masked_frac`, ...); with `everything`, every number."""
     numbers = _numbers(result)
-    if not everything:
-        numbers = {k: v for k, v in numbers.items() if k.startswith(TENSORBOARD_PREFIXES)}
-    for field, value in record.items():
-        if field != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            numbers[f"history/{field}"] = float(value)
-    return numbers
+    if everything:
+        return numbers
+    return {k: v for k, v in numbers.items() if k in TENSORBOARD_KEYS or k.startswith(TENSORBOARD_PREFIXES)}

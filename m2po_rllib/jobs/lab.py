@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from m2po_rllib.config import M2POConfig
-from m2po_rllib.config_io import JOB_SECTION, SECTIONS, apply_overrides, load_spec
+from m2po_rllib.config_io import JOB_SECTION, SECTIONS, apply_overrides, load_spec, parse_value
 from m2po_rllib import keys
 from m2po_rllib.keys import HELDOUT_ACCURACY
 from m2po_rllib.errors import ConfigError
@@ -85,9 +85,10 @@ def _grids(path, grid) -> list[dict[str, list]]:
     return blocks
 
 
-def load_space(path: str | Path, overrides: list[str] | None = None) -> LabSpace:
-    """Read a search space and validate every trial's config; ValueError naming the file,
-    the key and the fix on the first bad one."""
+def load_space(path: str | Path, overrides: list[str] | None = None, stop_override: list[str] | None = None) -> LabSpace:
+    """Read a search space and validate every trial's config; ConfigError naming the file,
+    the key and the fix on the first bad one. `stop_override` (`key=value` items, e.g. from `m2po lab
+    --stop policy_version=40`) replaces the space's stop rule: a shorter trial for a try."""
     from m2po_rllib.config_io import parse_override
 
     path = Path(path)
@@ -132,6 +133,13 @@ def load_space(path: str | Path, overrides: list[str] | None = None) -> LabSpace
         _fail(path, "the grid has no trials")
 
     stop = dict(space.get("stop") or {})
+    if stop_items := list(stop_override or []):
+        stop = {}
+        for item in stop_items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                _fail(path, f"--stop {item!r} must look like key=value, e.g. --stop policy_version=40")
+            stop[key] = parse_value(value)
     if not stop:
         _fail(path, "`stop` is missing, e.g. stop: {policy_version: 200} (optimizer updates) or {training_iteration: 50}")
     for key, value in stop.items():
@@ -232,11 +240,12 @@ def run_lab(
     out: str | None = None,
     max_concurrent: int | None = None,
     overrides: list[str] | None = None,
+    stop: list[str] | None = None,
     report: bool = True,
     verbose: int = 1,
 ) -> int:
     """Validate every trial, run the search with Tune, then `m2po report` on it."""
-    space = load_space(space_path, overrides)
+    space = load_space(space_path, overrides, stop)
     need = [trial_resources(t.config) for t in space.trials]
 
     import ray
@@ -313,9 +322,9 @@ def run_lab(
     return 1 if grid.num_errors else 0
 
 
-def dry_run(space_path: str, overrides: list[str] | None = None) -> int:
+def dry_run(space_path: str, overrides: list[str] | None = None, stop: list[str] | None = None) -> int:
     """Validate every trial and print the plan (no Ray, no GPU needed)."""
-    space = load_space(space_path, overrides)
+    space = load_space(space_path, overrides, stop)
     for i, trial in enumerate(space.trials):
         need = trial_resources(trial.config)
         gpus = f" {need['GPU']:g} GPU" if need["GPU"] else ""

@@ -155,6 +155,14 @@ def estimate_learner_memory(
     return {"ddp": ddp, "fsdp": fsdp}
 
 
+def _count(n: int) -> str:
+    """1.72 B, 0.80 M, 950 K: a parameter count in the unit that shows it."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
 def largest_micro_batch(parts_for, limit: float, sequences: int) -> int:
     """Largest micro_batch_size dividing `sequences` (equal micro-batches) whose total
     fits `limit` bytes; 0 if none does."""
@@ -186,8 +194,11 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
             "learner's minibatch: minibatch_prompts x group_size / num_learners)"
         )
     max_model_len = (config.engine_kwargs or {}).get("max_model_len")
-    if prompt_len is None:
-        prompt_len = max_model_len - config.max_new_tokens if max_model_len else DEFAULT_PROMPT_LEN
+    if prompt_len is None and max_model_len:
+        prompt_len = max_model_len - config.max_new_tokens
+    elif prompt_len is None:
+        # vLLM's bound without max_model_len: the model's own positions (the built-in model's 128)
+        prompt_len = min(DEFAULT_PROMPT_LEN, (shape.max_positions or 10**9) - config.max_new_tokens)
     seq_len = prompt_len + config.max_new_tokens
     ddp_kwargs = getattr(config, "torch_ddp_kwargs", None) or {}
 
@@ -244,8 +255,16 @@ def format_plan(p: dict) -> str:
     runner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["EnvRunners"] + p["groups"]["evaluation EnvRunners"])
     learner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["learners"] + p["groups"]["main process"])
     lines.append(f"  total: {total_cpu:g} CPUs, {runner_gpus + learner_gpus:g} GPUs ({runner_gpus:g} EnvRunner GPUs + {learner_gpus:g} learner GPUs)")
+    actor_cpus = total_cpu - sum(b.get("CPU", 0) for b in p["groups"]["main process"])
+    here = os.cpu_count() or 1
+    if not os.environ.get("RAY_ADDRESS") and actor_cpus > here:
+        lines.append(
+            f"  warning: the actors need {actor_cpus:g} CPUs and this machine has {here}: a local run fails at "
+            "build (Ray would queue them forever); lower num_cpus_per_env_runner / num_env_runners / num_learners, "
+            "or run it on a cluster (RAY_ADDRESS)"
+        )
     lines += [
-        f"Model {m.name} ({m.model_type}): {m.num_params / 1e9:.2f} B parameters, {(m.num_params - m.embedding_params) / 1e9:.2f} B "
+        f"Model {m.name} ({m.model_type}): {_count(m.num_params)} parameters, {_count(m.num_params - m.embedding_params)} "
         f"without embeddings ({'tied' if m.tied else 'untied'} head); {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
         f"  config.json from {m.source}",
         f"Learner: minibatch {p['minibatch_sequences']} sequences = {p['per_learner_sequences']} per learner x {max(1, p['num_learners'])}; "

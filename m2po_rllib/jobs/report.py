@@ -10,6 +10,7 @@ progress.csv). Both become the same history records (`m2po_rllib.jobs.history.hi
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ def markdown_table(rows: list[dict]) -> str:
         frac = f"{r['token_kind']} {100 * r['token_frac_mean']:.2f}%" if r["token_kind"] else "-"
         lo, hi = r["updates"] or (None, None)
         updates = "-" if lo is None else (f"{lo}" if lo == hi else f"{lo}-{hi}")
-        seeds = f"{len(r['runs'])} ({', '.join(str(s) for s in r['seeds'])})"
+        seeds = f"{len(r['seeds'])} ({', '.join(str(s) for s in r['seeds'])})"
+        if len(r["runs"]) > len(r["seeds"]):  # two runs of one seed are one seed, said so
+            seeds += f", {len(r['runs'])} runs"
         t = r["time_s_mean"]
         time_s = f"{t / 60:.1f} min" if t >= 60 else f"{t:.0f} s"
         lines.append(
@@ -86,7 +89,8 @@ def write_report(dirs: list[str], out: str | None = None) -> Path:
     md = [
         "# M2PO staleness lab report",
         "",
-        f"{len(runs)} runs in {len(variants)} variants from {', '.join(str(Path(d).resolve()) for d in dirs)}.",
+        f"{len(runs)} runs in {len(variants)} variants from "
+        f"{', '.join(os.path.relpath(Path(d).resolve(), out_dir.resolve()) for d in dirs)} (relative to this report).",
         "Held-out accuracy is greedy accuracy on the held-out problems, the last evaluation of each run "
         "(final) and its best evaluation (best), as mean ± sample std over seeds; masked / clipped tokens "
         "is the mean over training of M2PO's masked fraction or the clip losses' clipped fraction; "
@@ -97,6 +101,9 @@ def write_report(dirs: list[str], out: str | None = None) -> Path:
     ]
     if notes:
         md += ["Runs that ended early:", "", *[f"- {n}" for n in notes], ""]
+    untrained = [note for r in runs if (note := r.untrained_note())]
+    if untrained:
+        md += ["Runs with no optimizer update (their curves are empty):", "", *[f"- {n}" for n in untrained], ""]
     md += [f"![{p.stem}]({p.name})" for p in figures]
     path = out_dir / "report.md"
     path.write_text("\n".join(md) + "\n")

@@ -88,6 +88,7 @@ def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: s
                              layout="constrained")
     legend: dict[str, object] = {}
     for ax, lvl in zip(axes[0], levels):
+        drawn = 0
         for v in panels[lvl]:
             for f, style in fields:
                 xs, mean, std = _curve(v, f, smooth, when)
@@ -100,6 +101,12 @@ def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: s
                 ax.fill_between(xs, (mean - std) * scale, (mean + std) * scale, color=colors[_family(v)],
                                 alpha=0.15, lw=0, **({"step": "post"} if kw else {}))
                 legend.setdefault(label, line)
+                drawn += 1
+        if not drawn and not any(r.trained for v in panels[lvl] for r in v.runs):
+            # the training diagnostics of a run that has not trained yet: say why they are empty
+            ax.text(0.5, 0.5, "not trained yet:\nthe stale queue\nis still filling", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=9, color="gray")
+            legend.setdefault("(no optimizer update yet)", ax.plot([], [], alpha=0)[0])
         mode = "<=" if panels[lvl][0].key[1] == "async" else ""
         for y in refs:  # e.g. tau on the M2 plot
             legend.setdefault(f"tau = {y:g}", ax.axhline(y, color="gray", ls=":", lw=1))

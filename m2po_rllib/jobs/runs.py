@@ -14,7 +14,7 @@ from typing import Any
 
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.history import history_record
-from m2po_rllib.keys import HELDOUT_ACCURACY
+from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed")
 
@@ -28,6 +28,19 @@ class Run:
 
     def values(self, name: str) -> list[float]:
         return [h[name] for h in self.history if h.get(name) is not None]
+
+    @property
+    def trained(self) -> bool:
+        """Whether any optimizer update was applied (a stale-k run trains nothing while its
+        queue fills)."""
+        return any(v > 0 for v in self.values(POLICY_VERSION))
+
+    def untrained_note(self) -> str | None:
+        """Why this run has no updates to show, or None if it has some."""
+        if self.trained:
+            return None
+        return (f"{self.path.name}: not trained yet: its {len(self.history)} iteration(s) only filled the stale "
+                f"queue (staleness {self.settings.get('staleness')} updates); train it for more iterations")
 
     @property
     def final(self) -> float | None:

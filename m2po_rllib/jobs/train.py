@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -152,11 +153,25 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
     history_path = run_dir / "history.json"
     summary_path = run_dir / "summary.json"
     history: list[dict] = json.loads(history_path.read_text()) if resumed and history_path.exists() else []
+    # The record is written with every checkpoint, so after a crash it matches the
+    # checkpoint; iterations after it (redone now) are dropped.
+    history = [h for h in history if h["iteration"] <= algo.iteration]
     summary = json.loads(summary_path.read_text()) if resumed and summary_path.exists() else {}
     cfg = algo.config
     t_start = time.perf_counter()
     elapsed_before = float(summary.get("train_seconds", 0.0))
     tb = bar = None
+
+    def seconds() -> float:
+        return elapsed_before + time.perf_counter() - t_start
+
+    def save() -> None:
+        """A checkpoint, then the record that matches it (history and summary so far)."""
+        algo.save_to_path(str(ckpt_dir))
+        summary.update(_summary_fields(algo, history, seconds(), run_dir, interrupted=ctrl_c.requested))
+        _write_json(history_path, history, indent=1)
+        _write_json(summary_path, summary, indent=2)
+
     try:
         if resumed:
             meta, changes, overrides = resumed
@@ -188,13 +203,13 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
             with ctrl_c.step():
                 result = algo.train()
             last_eval = _log_iteration(
-                result, algo.iteration, history, tb, bar, last_eval, elapsed_before + time.perf_counter() - t_start,
+                result, algo.iteration, history, tb, bar, last_eval, seconds(),
                 tb_all=run["tensorboard"] == "all",
             )
             if run["checkpoint_every"] and algo.iteration % run["checkpoint_every"] == 0:
                 with ctrl_c.step():
-                    algo.save_to_path(str(ckpt_dir))
-            minutes = (elapsed_before + time.perf_counter() - t_start) / 60
+                    save()
+            minutes = seconds() / 60
             if run.get("stop_minutes") and minutes >= run["stop_minutes"]:
                 print(f"\nstopping: {minutes:.1f} min >= stop_minutes={run['stop_minutes']}")
                 break
@@ -202,7 +217,7 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
             bar.close()
             bar = None
         with ctrl_c.step():
-            algo.save_to_path(str(ckpt_dir))
+            save()
         if not ctrl_c.requested and cfg.evaluation_interval:
             summary["end_heldout_accuracy"] = _get({"evaluation": algo.evaluate()}, EVAL_ACC)
     except KeyboardInterrupt:
@@ -212,8 +227,8 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
             print("\nquit without saving the interrupted iteration", file=sys.stderr)
         else:
             with ctrl_c.step():
-                algo.save_to_path(str(ckpt_dir))
-    history_path.write_text(json.dumps(history, indent=1))
+                save()
+    _write_json(history_path, history, indent=1)
     interrupted = ctrl_c.requested
     if interrupted and runs.has_checkpoint(run_dir):
         saved = "the last checkpoint is" if ctrl_c.abandoned else "checkpoint saved"
@@ -221,22 +236,8 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
     elif interrupted:
         print(f"\ninterrupted: no checkpoint was saved in {run_dir}", file=sys.stderr)
 
-    summary.update(
-        {
-            "iterations": algo.iteration,
-            keys.POLICY_VERSION: algo.policy_version,
-            "train_seconds": round(elapsed_before + time.perf_counter() - t_start, 1),
-            "policy_loss": cfg.policy_loss,
-            "staleness": cfg.staleness,
-            "final_train_reward": next((h["reward"] for h in reversed(history) if h["reward"] is not None), None),
-            "run_dir": str(run_dir),
-            "interrupted": interrupted,
-        }
-    )
-    tok = [h.get("tokens_per_s") for h in history if h.get("tokens_per_s")]
-    if tok:
-        summary["rollout_tokens_per_s"] = sum(tok) / len(tok)
-    summary_path.write_text(json.dumps(summary, indent=2))
+    summary.update(_summary_fields(algo, history, seconds(), run_dir, interrupted=interrupted))
+    _write_json(summary_path, summary, indent=2)
     algo.stop()
     if tb is not None:
         tb.close()
@@ -245,13 +246,38 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
     return 130 if interrupted else 0
 
 
+def _summary_fields(algo, history: list[dict], seconds: float, run_dir: Path, *, interrupted: bool) -> dict:
+    cfg = algo.config
+    fields = {
+        "iterations": algo.iteration,
+        keys.POLICY_VERSION: algo.policy_version,
+        "train_seconds": round(seconds, 1),
+        "policy_loss": cfg.policy_loss,
+        "staleness": cfg.staleness,
+        "final_train_reward": next((h["reward"] for h in reversed(history) if h["reward"] is not None), None),
+        "run_dir": str(run_dir),
+        "interrupted": interrupted,
+    }
+    tok = [h.get("tokens_per_s") for h in history if h.get("tokens_per_s")]
+    if tok:
+        fields["rollout_tokens_per_s"] = sum(tok) / len(tok)
+    return fields
+
+
+def _write_json(path: Path, value, indent: int) -> None:
+    """Whole or not at all: a crash mid-write leaves the previous file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=indent))
+    os.replace(tmp, path)
+
+
 def _log_iteration(result: dict, it: int, history: list, tb, bar, last_eval, time_s: float, tb_all: bool = False):
     """History row, TensorBoard scalars and the progress line of one iteration; returns
     the latest held-out accuracy."""
     last_eval = _get(result, EVAL_ACC, last_eval)
     record = history_record(result, it, time_s)
     history.append(record)
-    for key, value in tensorboard_scalars(result, record, everything=tb_all).items():
+    for key, value in tensorboard_scalars(result, everything=tb_all).items():
         tb.add_scalar(key, value, it)
     line = _progress_line(result, last_eval)
     if bar is not None:
@@ -313,6 +339,10 @@ def run_eval(
         runner = LLMEnvRunner(config=config)
         try:
             n = num or int(config.evaluation_duration)
+            size = runner.num_problems(split)
+            if size is not None and size < n:
+                print(f"the {split} split has {size} problems, fewer than {n}: evaluating all {size}", file=sys.stderr)
+                n = size
             counts = runner.evaluate(indices=list(range(n)), samples=samples, seed=0, split=split)
         finally:
             runner.stop()

@@ -299,6 +299,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value("num_episodes_lifetime", n_rows, reduce="lifetime_sum")
         return batch
 
+    def num_problems(self, split: str = "heldout") -> int | None:
+        """Problems in `split` (None: the task generates any index)."""
+        return self._split_env(split).unwrapped.num_problems
+
     def evaluate(
         self,
         *,

@@ -595,9 +595,9 @@ def test_a_held_out_split_smaller_than_the_evaluation_is_evaluated_whole(ray_ses
     held = tmp_path / "held.jsonl"
     with open(data) as f:
         held.write_text("".join(f.readlines()[:3]))
-    cfg = tiny_config(tiny_model_dir).environment(
-        "m2po/MathDataset-v0", env_config={"path": data, "heldout_path": str(held), "template": "compact"}
-    ).evaluation(evaluation_interval=1, evaluation_duration=200)
+    cfg = tiny_config(tiny_model_dir).environment("m2po/MathDataset-v0").evaluation(
+        evaluation_interval=1, evaluation_duration=200)
+    cfg.env_config = {"path": data, "heldout_path": str(held), "template": "compact"}  # not merged into the digits
     algo = cfg.build_algo()
     try:
         result = algo.evaluate()

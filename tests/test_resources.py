@@ -80,7 +80,7 @@ def _actor_config(tiny_model_dir, runners: int, runner_cpus: float, learners: in
         .env_runners(num_env_runners=runners, num_cpus_per_env_runner=runner_cpus, rollout_engine="hf")
         .learners(num_learners=learners)
         .rl_module(model_config={"model": tiny_model_dir})
-        .training(group_size=2, prompts_per_step=2, minibatch_prompts=2)
+        .training(group_size=2, prompts_per_step=6, minibatch_prompts=2)
     )
 
 

@@ -80,9 +80,19 @@ class M2POConfig(AlgorithmConfig):
         self.minibatch_prompts = 8
         # Data lag in optimizer updates (stale-k); a multiple of updates per step.
         self.staleness = 0
-        # Recompute behaviour log-probs with the learner at generation time (the official
-        # code's choice) instead of trusting the rollout engine's.
+        # Behaviour log-probs in the learner's numerics (its code, dtype and kernels) with the
+        # weights that generated each round, instead of the engine's (the official code's
+        # choice): computed by the learners in sync mode (they hold those weights when the
+        # round arrives), by the runner beside its engine in async mode. The engine's stay
+        # in the batch as `engine_logp`, for the mismatch metrics and `rollout_correction`.
         self.recompute_behavior_logp = False
+        # Off-policy correction of the engine/learner gap (losses/correction.py), composable
+        # with every policy loss: None | tis_token | tis_seq | mis_token | mis_seq | icepop;
+        # its ratio bounds (None: the correction's defaults, e.g. TIS/MIS 2.0, IcePop
+        # [0.5, 5]). Needs recompute_behavior_logp.
+        self.rollout_correction = None
+        self.rollout_correction_low = None
+        self.rollout_correction_high = None
         # Measure |engine log-prob - learner log-prob| every this many steps (0 = never), on
         # one minibatch's worth of the round, on one learner (sync mode; see README).
         self.logp_mismatch_interval = 10
@@ -127,7 +137,10 @@ class M2POConfig(AlgorithmConfig):
         self.rollout_engine = "auto"
         self.engine_kwargs = {}
         self.temperature = 1.0
+        # Truncated sampling, vLLM's rule (m2po_rllib.truncation): the learner replays it,
+        # so on-policy ratios stay 1. top_p = 1 and top_k = 0 (or -1) keep every token.
         self.top_p = 1.0
+        self.top_k = 0
         self.max_new_tokens = 64
         self.stop = []
 
@@ -156,6 +169,9 @@ class M2POConfig(AlgorithmConfig):
         minibatch_prompts=NotProvided,
         staleness=NotProvided,
         recompute_behavior_logp=NotProvided,
+        rollout_correction=NotProvided,
+        rollout_correction_low=NotProvided,
+        rollout_correction_high=NotProvided,
         logp_mismatch_interval=NotProvided,
         async_rollouts=NotProvided,
         max_staleness=NotProvided,
@@ -182,6 +198,9 @@ class M2POConfig(AlgorithmConfig):
             minibatch_prompts=minibatch_prompts,
             staleness=staleness,
             recompute_behavior_logp=recompute_behavior_logp,
+            rollout_correction=rollout_correction,
+            rollout_correction_low=rollout_correction_low,
+            rollout_correction_high=rollout_correction_high,
             logp_mismatch_interval=logp_mismatch_interval,
             async_rollouts=async_rollouts,
             max_staleness=max_staleness,
@@ -202,6 +221,7 @@ class M2POConfig(AlgorithmConfig):
         engine_kwargs=NotProvided,
         temperature=NotProvided,
         top_p=NotProvided,
+        top_k=NotProvided,
         max_new_tokens=NotProvided,
         stop=NotProvided,
         **kwargs,
@@ -212,6 +232,7 @@ class M2POConfig(AlgorithmConfig):
             engine_kwargs=engine_kwargs,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
             max_new_tokens=max_new_tokens,
             stop=stop,
         )
@@ -242,6 +263,12 @@ class M2POConfig(AlgorithmConfig):
     def sharded_learners(self) -> bool:
         """The learners hold FSDP shards of the weights (`learner_sharding`; 2+ learners)."""
         return self.learner_sharding == FSDP and self.num_learners > 1
+
+    @property
+    def runners_recompute_behavior_logp(self) -> bool:
+        """The runners score their own rounds in the learner's numerics (async mode: the
+        learners no longer hold the generating weights when a round arrives)."""
+        return bool(self.recompute_behavior_logp and self.async_rollouts)
 
     @property
     def minibatch_size_per_learner(self) -> int:
@@ -282,10 +309,12 @@ class M2POConfig(AlgorithmConfig):
     @override(AlgorithmConfig)
     def _model_config_auto_includes(self) -> dict[str, Any]:
         """What the module reads besides the user's `model_config` (which wins for `dtype`):
-        the sampling temperature its log-probs are taken at, and their chunk size."""
+        the sampling temperature and truncation its log-probs are taken at, and their chunk size."""
         return super()._model_config_auto_includes | {
             "dtype": DEFAULT_MODEL_DTYPE,
             "temperature": float(self.temperature),
+            "top_k": int(self.top_k),
+            "top_p": float(self.top_p),
             "logp_chunk_size": int(self.logp_chunk_size),
         }
 

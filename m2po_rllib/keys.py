@@ -36,6 +36,12 @@ def entropy_clipped(family: str) -> str:
     return f"{family}/entropy_clipped"
 
 
+# -- rollout corrections (m2po_rllib.losses.correction) -------------------------------------
+CORRECTION_CHANGED_FRAC = "correction/changed_frac"  # valid tokens truncated or dropped
+CORRECTION_WEIGHT_MEAN = "correction/weight_mean"  # over the kept tokens
+CORRECTION_WEIGHT_MAX = "correction/weight_max"
+CORRECTION_ESS = "correction/ess"  # (sum w)^2 / (n sum w^2)
+
 LOG_RATIO_ABS_MEAN = "policy/log_ratio_abs_mean"
 LOG_RATIO_ABS_MAX = "policy/log_ratio_abs_max"
 RATIO_MEAN = "policy/ratio_mean"
@@ -83,9 +89,17 @@ LEARNER_IDLE_FRAC = "async/learner_idle_frac"
 RUNNER_IDLE_FRAC = "async/runner_idle_frac"
 UPDATES_PER_S = "learner/updates_per_s"
 TOKENS_TRAINED_PER_S = "learner/tokens_per_s"
+# The engine's log-probs against the learner's on the same tokens and weights (correction.py's
+# `mismatch_metrics`): |delta| max / mean, KL(engine || learner), the fraction of tokens with
+# |delta| > MISMATCH_LARGE, and the effective sample size of the ratios.
 LOGP_MISMATCH_MAX = "rollout/logp_mismatch_max"
 LOGP_MISMATCH_MEAN = "rollout/logp_mismatch_mean"
+LOGP_MISMATCH_KL = "rollout/logp_mismatch_kl"
+LOGP_MISMATCH_LARGE_FRAC = "rollout/logp_mismatch_large_frac"
+LOGP_MISMATCH_ESS = "rollout/logp_mismatch_ess"
+MISMATCH_LARGE = 0.1  # nats: a ratio off by more than ~10%
 LOGP_MISMATCH_TIMER = "logp_mismatch_timer"
+BEHAVIOR_LOGP_S = "rollout/behavior_logp_s"  # a runner's seconds recomputing behaviour log-probs
 
 # -- where a training result holds them (RLlib's nesting) ---------------------------------
 RUNNERS = ("env_runners",)

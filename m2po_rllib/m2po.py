@@ -3,8 +3,8 @@
 `M2PO.training_step` is RLlib's beats, each in its own `log_time` timer, in both modes:
   1. sample   - the next step's rollouts from the `RolloutSampler` (rollout/sampler.py);
      while the stale-k queue fills there is none and the step ends here,
-  2. check    - sync only: the learner's log-probs against the engine's (or, with
-     `recompute_behavior_logp`, in place of them),
+  2. check    - sync: the learner's log-probs against the engine's (or, with
+     `recompute_behavior_logp`, in place of them); async: the runners recompute them,
   3. update   - the step goes to the learners (`updates_per_step` minibatches),
   4. publish  - the weights an update returns go out with the next requests.
 Synchronous (`async_rollouts=False`, the paper's stale-k protocol; ../shared/M2PO.md):
@@ -49,6 +49,7 @@ from m2po_rllib.config import M2POConfig
 from m2po_rllib.learner_calls import on_learners, ready_update_results
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
+from m2po_rllib.losses.correction import mismatch_metrics
 from m2po_rllib.resources import WaitingNotice, check_actors_fit, requested
 from m2po_rllib.rollout.sampler import RolloutSampler
 from m2po_rllib.threads import use_cpus
@@ -259,6 +260,8 @@ class M2PO(Algorithm):
         cfg = self.config
         async_update = cfg.async_rollouts and self.learner_group.is_remote
         start = self._sampler.dispatched_version - cfg.updates_per_step  # this step's first update
+        if cfg.async_rollouts and "engine_logp" in rollout:  # the runners recomputed them
+            self._log_mismatch(rollout)
         age = start - rollout["policy_version"]
         self.metrics.log_value(keys.STALENESS_MEAN, float(age.mean()), window=1)
         self.metrics.log_value(keys.STALENESS_MAX, float(age.max()), window=1)
@@ -320,9 +323,8 @@ class M2PO(Algorithm):
         stats = on_learners(
             self.learner_group, lambda learner: learner.logp_mismatch(train), first_only=not self.config.sharded_learners
         )[0]
-        if stats:
-            self.metrics.log_value(keys.LOGP_MISMATCH_MAX, stats["max"], window=1)
-            self.metrics.log_value(keys.LOGP_MISMATCH_MEAN, stats["mean"], window=1)
+        for key, value in stats.items():
+            self.metrics.log_value(key, value, window=1)
 
     def _recompute_behavior_logp(self, rollout: dict) -> None:
         """The official code's choice: behaviour log-probs from the learner (sync mode, whose
@@ -333,11 +335,15 @@ class M2PO(Algorithm):
         )
         learner_logp = np.concatenate([logp for _, logp in sorted(shares, key=lambda r: r[0])])
         mask = rollout["response_mask"] > 0
-        diff = np.abs(learner_logp - rollout["behavior_logp"])[mask]
-        if diff.size:
-            self.metrics.log_value(keys.LOGP_MISMATCH_MAX, float(diff.max()), window=1)
-            self.metrics.log_value(keys.LOGP_MISMATCH_MEAN, float(diff.mean()), window=1)
+        rollout["engine_logp"] = rollout["behavior_logp"]
         rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
+        self._log_mismatch(rollout)
+
+    def _log_mismatch(self, rollout: dict) -> None:
+        """The engine's log-probs against the recomputed ones of a round (`mismatch_metrics`)."""
+        stats = mismatch_metrics(rollout["behavior_logp"], rollout["engine_logp"], rollout["response_mask"])
+        for key, value in stats.items():
+            self.metrics.log_value(key, value, window=1)
 
     # -- checkpoints: the stale queue and the rounds in flight are training state ---------
     # Paths: RLlib reads a relative path as a URI without a scheme and fails; a local path

@@ -11,6 +11,7 @@ import os
 from typing import Callable
 
 from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
+from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS
 from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
 
 Problem = tuple[tuple[str, ...], str]
@@ -26,7 +27,7 @@ _TYPES = {
     **dict.fromkeys(
         ("group_size", "prompts_per_step", "minibatch_prompts", "staleness", "num_epochs",
          "max_new_tokens", "logp_mismatch_interval", "eval_samples", "evaluation_duration",
-         "num_env_runners", "num_learners", "broadcast_interval", "logp_chunk_size"),
+         "num_env_runners", "num_learners", "broadcast_interval", "logp_chunk_size", "top_k"),
         _INT,
     ),
     **dict.fromkeys(("m2_threshold", "temperature", "top_p", "weight_decay"), _NUMBER),
@@ -34,6 +35,7 @@ _TYPES = {
 _OPTIONAL = {
     "eps_low": _NUMBER, "eps_high": _NUMBER, "evaluation_interval": _INT, "seed": _INT,
     "micro_batch_size": _INT, "max_staleness": _INT,
+    "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
 }
 _BOOLS = ("recompute_behavior_logp", "async_rollouts")
 
@@ -89,6 +91,50 @@ def check_loss(config) -> list[Problem]:
     return out
 
 
+def check_correction(config) -> list[Problem]:
+    """`rollout_correction`, its bounds, and the recomputed log-probs it corrects towards."""
+    name, low, high = config.rollout_correction, config.rollout_correction_low, config.rollout_correction_high
+    if name is None:
+        unused = [n for n, v in (("rollout_correction_low", low), ("rollout_correction_high", high)) if v is not None]
+        return [problem(
+            (*unused, "rollout_correction"),
+            f"{' and '.join(f'`{n}`' for n in unused)} bound a rollout correction, which is off; set "
+            f"rollout_correction to one of {sorted(ROLLOUT_CORRECTIONS)}, or leave the bounds None",
+        )] if unused else []
+    if name not in ROLLOUT_CORRECTIONS:
+        return [problem(
+            "rollout_correction",
+            f"`rollout_correction` ({name!r}) must be None or one of {sorted(ROLLOUT_CORRECTIONS)}",
+        )]
+    out = []
+    if not config.recompute_behavior_logp:
+        out.append(problem(
+            ("rollout_correction", "recompute_behavior_logp"),
+            f"`rollout_correction` ({name!r}) weights each token by pi_learner / pi_engine, which needs the "
+            "behaviour log-probs in the learner's numerics: set recompute_behavior_logp=True (without it "
+            "both are the engine's and every weight is 1)",
+        ))
+    if high is not None and not high > 1:
+        out.append(problem(
+            "rollout_correction_high",
+            f"`rollout_correction_high` ({high}) must be > 1: an on-policy token has ratio 1 and must be kept "
+            "(TIS/MIS use 2, IcePop 5)",
+        ))
+    if low is not None:
+        if not ROLLOUT_CORRECTIONS[name].masks:
+            out.append(problem(
+                ("rollout_correction_low", "rollout_correction"),
+                f"`rollout_correction_low` ({low}) means nothing for {name!r}, which truncates from above only; "
+                "leave it None, or use a masking correction (mis_token, mis_seq, icepop)",
+            ))
+        elif not 0 <= low < 1:
+            out.append(problem(
+                "rollout_correction_low",
+                f"`rollout_correction_low` ({low}) must be in [0, 1): an on-policy token has ratio 1 (IcePop uses 0.5)",
+            ))
+    return out
+
+
 def check_optimization(config) -> list[Problem]:
     out = []
     if isinstance(config.lr, (int, float)) and not config.lr > 0:
@@ -134,7 +180,9 @@ def check_sampling(config) -> list[Problem]:
     if not config.temperature > 0:
         out.append(problem("temperature", f"`temperature` ({config.temperature}) must be > 0 for training rollouts"))
     if not (0 < config.top_p <= 1):
-        out.append(problem("top_p", f"`top_p` ({config.top_p}) must be in (0, 1]"))
+        out.append(problem("top_p", f"`top_p` ({config.top_p}) must be in (0, 1]; 1 keeps every token"))
+    if config.top_k < -1:
+        out.append(problem("top_k", f"`top_k` ({config.top_k}) must be >= 1 tokens kept, or 0 (or -1) to keep every token"))
     return out
 
 
@@ -166,12 +214,12 @@ def check_model_and_env(config) -> list[Problem]:
         out.append(problem(
             "model_config", f"model_config['dtype'] ({model_config.get('dtype')!r}) must be one of {list(MODEL_DTYPES)}"
         ))
-    owned = sorted({"temperature", "logp_chunk_size"} & set(config._model_config or {}))
+    owned = sorted({"temperature", "top_k", "top_p", "logp_chunk_size"} & set(config._model_config or {}))
     if owned:
         out.append(problem(
             "model_config",
-            f"model_config sets {owned}: these are M2PO settings (env_runners temperature, training "
-            "logp_chunk_size), passed to the module by the config; set them there",
+            f"model_config sets {owned}: these are M2PO settings (env_runners temperature / top_k / top_p, "
+            "training logp_chunk_size), passed to the module by the config; set them there",
         ))
     if config.env is None:
         out.append(problem("env", "no env: set `.environment('m2po/Arithmetic-v0', env_config={...})`"))
@@ -279,31 +327,27 @@ def check_rollout_mode(config) -> list[Problem]:
             f"{config.updates_per_step} - 1: one round in flight while the previous step trains is "
             f"already that old; raise max_staleness, or use async_rollouts=False for on-policy data",
         ))
-    if config.recompute_behavior_logp:
-        out.append(problem(
-            ("recompute_behavior_logp", "async_rollouts"),
-            "`recompute_behavior_logp` needs the learner to hold the generating weights when a "
-            "round arrives, which async rollouts never guarantee; set it to False",
-        ))
     return out
 
 
 def notices(config) -> list[str]:
     """Settings that are valid but make the run wrong in a way the user must know about."""
     out = []
-    if config.top_p < 1:
+    engine_dtype = (config.engine_kwargs or {}).get("dtype")
+    learner_dtype = (config.model_config or {}).get("dtype")
+    if engine_dtype and engine_dtype != learner_dtype and not config.recompute_behavior_logp:
         out.append(
-            f"`top_p` ({config.top_p}) < 1: the engine samples from the truncated distribution and "
-            "reports log-probs renormalised over the kept tokens, which the learner does not replay, so "
-            "every importance ratio is off by the kept mass even on-policy (measured: |learner - engine| "
-            "log-prob up to 0.1 at top_p=0.9) and M2PO's second moment measures that error; use top_p=1"
+            f"the rollout engine computes in {engine_dtype} (engine_kwargs), the learner in {learner_dtype}: the "
+            "behaviour log-probs are the engine's, so every importance ratio (and M2PO's second moment) carries "
+            "the engine's numerical error; set recompute_behavior_logp=True, and a rollout_correction for the "
+            "sampling gap (README: Engine numerics)"
         )
     return out
 
 
 # Stages after RLlib's own `validate()`: a later stage assumes the earlier ones passed.
 STAGES: tuple[tuple[Check, ...], ...] = (
-    (check_loss, check_optimization, check_sampling, check_model_and_env, check_evaluation),
+    (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
     (check_batch_shapes,),
     (check_rollout_mode,),
 )

@@ -53,6 +53,18 @@ def tiny_config(model_dir: str, **training) -> M2POConfig:
         (dict(policy_loss_kwargs={"eps_lo": 0.1}, policy_loss="grpo"), "does not take", {"policy_loss_kwargs"}),
         (dict(async_rollouts=True, max_staleness=8), "`async_rollouts` needs remote EnvRunners",
          {"async_rollouts", "num_env_runners"}),
+        (dict(rollout_correction="tis"), "`rollout_correction` ('tis') must be None or one of ['icepop', 'mis_seq'",
+         {"rollout_correction"}),
+        (dict(rollout_correction="tis_token"), "needs the behaviour log-probs in the learner's numerics: set "
+         "recompute_behavior_logp=True", {"rollout_correction", "recompute_behavior_logp"}),
+        (dict(rollout_correction="icepop", recompute_behavior_logp=True, rollout_correction_high=0.9),
+         "`rollout_correction_high` (0.9) must be > 1", {"rollout_correction_high"}),
+        (dict(rollout_correction="tis_seq", recompute_behavior_logp=True, rollout_correction_low=0.5),
+         "`rollout_correction_low` (0.5) means nothing for 'tis_seq'", {"rollout_correction_low", "rollout_correction"}),
+        (dict(rollout_correction="mis_token", recompute_behavior_logp=True, rollout_correction_low=1.5),
+         "`rollout_correction_low` (1.5) must be in [0, 1)", {"rollout_correction_low"}),
+        (dict(rollout_correction_high=3.0), "`rollout_correction_high` bound a rollout correction, which is off",
+         {"rollout_correction_high", "rollout_correction"}),
     ],
 )
 def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle, at_fault):
@@ -105,6 +117,7 @@ def test_config_state_keeps_minus_one_and_drops_only_rllib_deprecated(tiny_model
         (dict(lr="fast"), "`lr` ('fast') must be a number"),
         (dict(m2_threshold=None), "`m2_threshold` (None) must be a number"),
         (dict(recompute_behavior_logp="yes"), "`recompute_behavior_logp` ('yes') must be true or false"),
+        (dict(rollout_correction_high="2"), "`rollout_correction_high` ('2') must be a number"),
     ],
 )
 def test_wrong_types_are_one_clear_line(tiny_model_dir, training, needle):
@@ -141,16 +154,31 @@ def test_a_model_without_a_tokenizer_is_refused_before_anything_starts(tiny_mode
     assert err.value.settings == ("model_config",)
 
 
-def test_truncated_sampling_is_announced_once(tiny_model_dir, caplog):
-    """top_p < 1 is valid but its ratios are wrong until the learner replays the truncation:
-    validate() says so, once however often the config is validated."""
-    cfg = tiny_config(tiny_model_dir).env_runners(top_p=0.93)
+def test_an_engine_in_another_dtype_without_recomputed_logp_is_announced_once(tiny_model_dir, caplog):
+    """A bf16 engine beside an fp32 learner is valid, but its log-probs carry the engine's
+    numerics into every ratio: validate() says so (once), and not when they are recomputed."""
+    cfg = tiny_config(tiny_model_dir).env_runners(engine_kwargs={"dtype": "bfloat16"})
     with caplog.at_level("WARNING", logger="m2po_rllib.config"):
         cfg.validate()
         cfg.validate()
-        tiny_config(tiny_model_dir).validate()
-    said = [r.getMessage() for r in caplog.records if "top_p" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("`top_p` (0.93) < 1: the engine samples from the truncated")
+        tiny_config(tiny_model_dir, recompute_behavior_logp=True).env_runners(engine_kwargs={"dtype": "bfloat16"}).validate()
+    said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the rollout engine computes in bfloat16 (engine_kwargs), the learner in float32")
+
+
+@pytest.mark.slow
+def test_truncated_sampling_is_replayed_on_policy_through_the_api(ray_session, tiny_model_dir):
+    """top_p=0.9 with top_k=20 on the HF engine, measured as the issue measured it (fp32,
+    staleness 0, the mismatch check every step): the learner's log-probs equal the
+    engine's (the unreplayed ratio was off by up to 0.1)."""
+    algo = tiny_config(tiny_model_dir, lr=1e-2).env_runners(top_p=0.9, top_k=20, max_new_tokens=8).build_algo()
+    try:
+        for _ in range(2):  # the second round is sampled after an update
+            result = algo.train()
+        assert result["rollout/logp_mismatch_max"] < 1e-4
+        assert result["rollout/logp_mismatch_kl"] < 1e-8 and result["rollout/logp_mismatch_large_frac"] == 0
+    finally:
+        algo.stop()
 
 
 def test_an_unknown_env_id_suggests_the_close_one(tiny_model_dir):
@@ -504,6 +532,52 @@ def test_runner_ignores_stale_and_duplicate_weight_syncs(tiny_model_dir):
         sync(base, 3)  # newer: loaded in place
         assert runner.engine.version == 3
         np.testing.assert_array_equal(runner.sample(num_prompts=2, seed=1)["policy_version"], 3)
+    finally:
+        runner.stop()
+
+
+@pytest.mark.parametrize("engine_dtype", ["bfloat16", "float32"])
+def test_an_async_runner_scores_its_rounds_in_the_learner_numerics(tiny_model_dir, engine_dtype):
+    """`recompute_behavior_logp` with async rollouts: the runner scores each round with the
+    weights that generated it, by the learner's log-prob function in float32 (truncation
+    replayed), whatever the engine's dtype; the engine's own log-probs stay as `engine_logp`.
+    Weights synced before the engine starts and after both reach the scorer."""
+    from transformers import AutoModelForCausalLM
+
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+    from m2po_rllib.torch.logp import response_logp
+
+    cfg = (
+        tiny_config(tiny_model_dir, async_rollouts=True, max_staleness=3, recompute_behavior_logp=True)
+        .env_runners(engine_kwargs={"dtype": engine_dtype}, top_p=0.9, top_k=20)
+    )
+    runner = LLMEnvRunner(config=cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def sync(weights, version):
+        runner.set_state({"rl_module": {"default_policy": {"weights": weights, "policy_version": version}}})
+
+    def learner_logp(weights, batch):
+        model.load_state_dict(weights)
+        train = {k: torch.as_tensor(v) for k, v in to_train_batch(batch, batch["rewards"]).items()}
+        with torch.no_grad():
+            return response_logp(model, train, 1.0, top_k=20, top_p=0.9)[0].numpy()
+
+    try:
+        for version, shift in ((2, 0.01), (3, -0.02)):  # before the engine starts, then in place
+            weights = {k: v + shift for k, v in base.items()}
+            sync(weights, version)
+            batch = runner.sample(num_prompts=3, seed=version)
+            mask = batch["response_mask"] > 0
+            assert set(batch["policy_version"]) == {version}
+            expected = learner_logp(weights, batch)
+            assert np.abs(batch["behavior_logp"] - expected)[mask].max() < 1e-5
+            engine_gap = np.abs(batch["engine_logp"] - expected)[mask].max()
+            if engine_dtype == "bfloat16":
+                assert engine_gap > 1e-3  # the engine's numbers are not the learner's
+            else:
+                assert engine_gap < 1e-4 and not runner._scorer.owns_model  # the engine's model is shared
     finally:
         runner.stop()
 

@@ -149,15 +149,21 @@ def _record_trained_ids(algo) -> list:
 
 @pytest.mark.slow
 def test_async_bound_holds_with_random_runner_delays(ray_session, tiny_model_dir):
-    cfg = _async_config(tiny_model_dir, max_staleness=5).env_runners(env_runner_cls=_delayed_runner_cls())
+    # The runners also score their rounds in the learner's numerics (a bf16 engine beside
+    # an fp32 learner) and the learner corrects the gap (IcePop).
+    cfg = _async_config(tiny_model_dir, max_staleness=5, recompute_behavior_logp=True, rollout_correction="icepop")
+    cfg = cfg.env_runners(env_runner_cls=_delayed_runner_cls(), engine_kwargs={"dtype": "bfloat16"})
     algo = cfg.build_algo()
     try:
         seen = _record_trained_ids(algo)
-        ages = []
+        ages, gaps = [], []
         for _ in range(8):
             result = algo.train()
             ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
             assert result["staleness/dropped_rows"] == 0
+            if "correction/weight_mean" in result["learners"]["default_policy"]:
+                gaps.append(result["rollout/logp_mismatch_max"])
+        assert gaps and min(gaps) > 1e-3  # the bf16 engine's gap, measured on every trained step
         assert max(ages) <= 5 and max(ages) > 1  # within the bound, and stale (on-policy: 1)
         ids = np.concatenate(seen)
         assert sorted(ids.tolist()) == list(range(len(ids)))  # every sample trained once

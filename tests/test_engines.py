@@ -68,9 +68,10 @@ def load_hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def reference_logprobs(model, prompt, tokens, temperature, top_p=1.0):
-    """Behaviour log-probs by one plain forward over prompt + completion, top-p written out
-    as vLLM's rule: drop tokens whose ascending cumulative probability is <= 1 - top_p."""
+def reference_logprobs(model, prompt, tokens, temperature, top_p=1.0, top_k=0):
+    """Behaviour log-probs by one plain forward over prompt + completion, top-k and top-p
+    written out as vLLM's rule: keep the logits >= the k-th largest, then drop tokens whose
+    ascending cumulative probability (over the kept ones) is <= 1 - top_p."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     if temperature > 0:
@@ -78,6 +79,8 @@ def reference_logprobs(model, prompt, tokens, temperature, top_p=1.0):
     out = []
     for step, token in enumerate(tokens):
         row = logits[step].clone()
+        if top_k > 0:
+            row[row < row.sort(descending=True).values[top_k - 1]] = float("-inf")
         if top_p < 1:
             order = row.argsort()  # ascending
             cum = row[order].softmax(-1).cumsum(-1)
@@ -96,11 +99,11 @@ def assert_same(groups_a, groups_b):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-def max_logprob_diff(model, prompts, groups, temperature, top_p=1.0):
+def max_logprob_diff(model, prompts, groups, temperature, top_p=1.0, top_k=0):
     diff = 0.0
     for prompt, group in zip(prompts, groups):
         for c in group:
-            ref = reference_logprobs(model, prompt, c.token_ids, temperature, top_p)
+            ref = reference_logprobs(model, prompt, c.token_ids, temperature, top_p, top_k)
             diff = max(diff, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
     return diff
 
@@ -119,6 +122,8 @@ def test_make_engine_lists_valid_kinds():
         ({"n": 0}, "`n`"),
         ({"temperature": -1}, "`temperature`"),
         ({"top_p": 0}, "`top_p`"),
+        ({"top_k": -2}, "`top_k`"),
+        ({"top_k": 2.0}, "`top_k`"),
         ({"max_tokens": 0}, "`max_tokens`"),
         ({"stop": ["a", ""]}, "`stop`"),
     ],
@@ -210,15 +215,61 @@ def test_stop_strings_end_generation(engine, prompt_ids):
 
 
 @pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.8, 0.6), (0.0, 1.0)])
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (0.8, 0.6, 0), (0.0, 1.0, 0), (1.0, 0.9, 20), (1.0, 1.0, 3)]
+)
 def test_logprobs_are_those_of_the_sampling_distribution(
-    engine, prompt_ids, tiny_model_dir, temperature, top_p
+    engine, prompt_ids, tiny_model_dir, temperature, top_p, top_k
 ):
     model = load_hf(tiny_model_dir)
     groups = engine.generate(
-        prompt_ids, SamplingConfig(n=2, max_tokens=12, seed=5, temperature=temperature, top_p=top_p)
+        prompt_ids, SamplingConfig(n=2, max_tokens=12, seed=5, temperature=temperature, top_p=top_p, top_k=top_k)
     )
-    assert max_logprob_diff(model, prompt_ids, groups, temperature, top_p) < 1e-3
+    assert max_logprob_diff(model, prompt_ids, groups, temperature, top_p, top_k) < 1e-3
+    if top_k:  # only the k most likely tokens were ever sampled
+        assert max_logprob_diff(model, prompt_ids, groups, temperature, top_p) > 1e-2
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_the_learner_replays_truncated_sampling_on_policy(engine, prompt_ids, tiny_model_dir):
+    """The learner's log-probs (chunked, `m2po_rllib.torch.logp`) of the engine's samples at
+    top_p=0.9, top_k=20 equal the engine's: an on-policy ratio of 1. Without the replay
+    they differ by the kept mass."""
+    from m2po_rllib.torch.logp import response_logp
+    from m2po_rllib.wire.batch import pack_rollouts, to_train_batch
+
+    groups = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=12, seed=9, top_p=0.9, top_k=20))
+    rows = [(p, c) for p, group in zip(prompt_ids, groups) for c in group]
+    packed = pack_rollouts([p for p, _ in rows], [c.token_ids for _, c in rows], [c.logprobs for _, c in rows],
+                           [0.0] * len(rows), 0)
+    batch = {k: torch.as_tensor(v) for k, v in to_train_batch(packed, packed["rewards"]).items()}
+    mask = batch["response_mask"] > 0
+    model = load_hf(tiny_model_dir)
+    with torch.no_grad():
+        replayed, _ = response_logp(model, batch, 1.0, top_k=20, top_p=0.9)
+        plain, _ = response_logp(model, batch, 1.0)
+    engine_logp = batch["behavior_logp"]
+    assert (replayed - engine_logp)[mask].abs().max() < 1e-4
+    assert (plain - engine_logp)[mask].abs().max() > 1e-2
+
+
+def test_the_truncation_rule_is_vllms():
+    """`m2po_rllib.truncation` keeps the tokens vLLM's own sampler keeps (its PyTorch rule,
+    the one vLLM runs on CPU), ties included, for top-k, top-p and both."""
+    vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from m2po_rllib.truncation import dropped_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g) * 3
+    logits[:8, :10] = 1.5  # ties at the top-k and top-p boundaries
+    logits[8:16] = torch.randint(0, 4, (8, 50), generator=g).float()
+    for top_k, top_p in [(5, 1.0), (10, 1.0), (0, 0.9), (0, 0.5), (7, 0.8), (1, 0.3), (50, 0.95)]:
+        k = torch.full((64,), top_k) if top_k else None
+        p = torch.full((64,), top_p) if top_p < 1 else None
+        theirs = vllm_ops.apply_top_k_top_p_pytorch(logits.clone(), k, p, allow_cpu_sync=True)
+        ours = dropped_tokens(logits, top_k, top_p)
+        assert torch.equal(ours, torch.isneginf(theirs)), (top_k, top_p)
+    assert dropped_tokens(logits, 0, 1.0) is None and dropped_tokens(logits, -1, 1.0) is None
 
 
 @pytest.mark.slow

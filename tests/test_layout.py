@@ -84,6 +84,7 @@ def test_no_import_cycles():
         ("m2po_rllib.losses", "m2po_rllib.rollout"),
         ("m2po_rllib.keys", "m2po_rllib."),  # the neutral modules import nothing of the package
         ("m2po_rllib.errors", "m2po_rllib."),
+        ("m2po_rllib.truncation", "m2po_rllib."),
     ],
 )
 def test_rooms_import_only_downwards(importer, forbidden):

@@ -183,3 +183,89 @@ def test_gradient_checkpointing_gives_the_same_gradient():
 def test_bad_chunk_size_is_rejected(bad):
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_logp_entropy(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), chunk_size=bad)
+
+
+# -- truncated sampling (top-k / top-p) replayed -------------------------------------------
+def plain_truncated_logp(logits_row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """log-probs (V,) of one temperature-scaled logits row under vLLM's rule, written out:
+    keep the logits >= the k-th largest, then drop (ascending) every token whose cumulative
+    probability over the kept ones is <= 1 - top_p, keeping the most likely."""
+    row = logits_row.clone()
+    if top_k > 0:
+        row[row < row.sort(descending=True).values[top_k - 1]] = float("-inf")
+    if top_p < 1:
+        order = row.argsort()  # ascending
+        cum = row[order].softmax(-1).cumsum(-1)
+        for rank, idx in enumerate(order[:-1].tolist()):
+            if cum[rank] <= 1 - top_p:
+                row[idx] = float("-inf")
+    return row.log_softmax(-1)
+
+
+def sampled_in_nucleus(model, temperature, top_k, top_p, seed=0):
+    """A padded batch whose response tokens are drawn from the model's own truncated
+    distribution (so every target is kept), token by token."""
+    batch = padded_batch(seed)
+    P = max(PROMPT_LENS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in range(max(RESPONSE_LENS)):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits
+            for i in range(len(PROMPT_LENS)):
+                if batch["response_mask"][i, t] > 0:
+                    logp = plain_truncated_logp(logits[i, P + t - 1] / temperature, top_k, top_p)
+                    batch["input_ids"][i, P + t] = torch.multinomial(logp.exp(), 1, generator=g).item()
+    return batch
+
+
+@pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9), (20, 0.9), (1, 1.0)])
+@pytest.mark.parametrize("chunk_size", [4, 1000])
+def test_truncated_logp_and_gradient_are_those_of_the_kept_distribution(top_k, top_p, chunk_size):
+    model = tiny_model(tied=False)
+    temperature = 0.8
+    batch = sampled_in_nucleus(model, temperature, top_k, top_p)
+    logp, ent = response_logp(model, batch, temperature, chunk_size, top_k=top_k, top_p=top_p)
+
+    P, mask = max(PROMPT_LENS), batch["response_mask"] > 0
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits
+    for i, t in mask.nonzero().tolist():
+        plain = plain_truncated_logp(logits[i, P + t - 1] / temperature, top_k, top_p)
+        assert logp[i, t].item() == pytest.approx(plain[batch["input_ids"][i, P + t]].item(), abs=1e-5)
+        kept = plain > float("-inf")
+        plain_entropy = -(plain[kept].exp() * plain[kept]).sum()
+        assert ent[i, t].item() == pytest.approx(plain_entropy.item(), abs=1e-5)
+    if top_k == 1:  # one token kept: every log-prob is 0 and carries no gradient
+        assert logp[mask].abs().max() == 0
+    else:
+        untruncated, _ = response_logp(model, batch, temperature, chunk_size)
+        assert (logp[mask] - untruncated[mask]).min() > 1e-3  # renormalised: above the full softmax's
+
+    ref = grads(model, lambda: response_logp_and_entropy(
+        model, batch["input_ids"], batch["attention_mask"], batch["response_mask"].shape[1],
+        temperature=temperature, with_entropy=False, top_k=top_k, top_p=top_p))
+    new = grads(model, lambda: response_logp(model, batch, temperature, chunk_size, with_entropy=False,
+                                             top_k=top_k, top_p=top_p))
+    if top_k == 1:
+        assert all(g.abs().max() == 0 for g in new.values())
+    else:
+        assert max_rel_diff(new, ref) < 1e-5
+
+
+def test_a_target_outside_the_kept_tokens_has_log_prob_minus_inf():
+    """The current weights would never sample it: ratio 0, which the losses drop as a
+    non-finite token. Exactly the targets outside the plain rule's top 5 are -inf."""
+    model = tiny_model(tied=False)
+    batch = padded_batch()  # random targets: most fall outside a top-5 nucleus
+    logp, _ = response_logp(model, batch, 1.0, 4, top_k=5)
+    P, mask = max(PROMPT_LENS), batch["response_mask"] > 0
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits
+    expected = torch.zeros_like(mask)
+    for i, t in mask.nonzero().tolist():
+        expected[i, t] = torch.isneginf(plain_truncated_logp(logits[i, P + t - 1], 5, 1.0)[batch["input_ids"][i, P + t]])
+    assert expected.any() and (~expected & mask).any()  # the batch has both kinds
+    assert torch.equal(torch.isneginf(logp) & mask, expected)

@@ -24,6 +24,8 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
             rollout_engine="vllm",
             engine_kwargs={"kv_cache_space_gb": 1, "max_model_len": 64},
             max_new_tokens=6,
+            top_p=0.9,  # truncated sampling, replayed by the learner: the mismatch stays ~0
+            top_k=20,
         )
         .learners(num_learners=0)
         .rl_module(model_config={"model": tiny_model_dir})

@@ -229,6 +229,8 @@ def compute_policy_loss(
     max_tokens: int | None = None,
     group=None,
     mask_scope: str = "global",
+    correction_weight: torch.Tensor | None = None,
+    correction_keep: torch.Tensor | None = None,
     **params,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar policy loss to minimise (minus the objective) and its metrics.
@@ -256,6 +258,10 @@ def compute_policy_loss(
             counts over every rank of `group` when torch.distributed runs with more than
             one rank; "local" uses this call's tokens only (cheaper, but the mask then
             depends on how the minibatch is split).
+        correction_weight, correction_keep: a rollout correction (`losses.correction`):
+            (B, T) constant weights on each token's loss, and the tokens that take part
+            (the others leave the loss and M2PO's second moment, and still count in the
+            token-mean denominator). Any loss composes with any correction.
         **params: the loss's own parameters (`policy_loss_params(name)` lists them):
             m2_threshold (m2po*, default 0.04), eps_low / eps_high (grpo 0.2 / 0.2,
             gspo 3e-4 / 4e-4), clip_ratio_c, min_clip_low / min_clip_high, tau_solver,
@@ -302,7 +308,8 @@ def compute_policy_loss(
         raise ValueError(f"entropy {tuple(entropy.shape)} must match logp {(B, T)}")
     valid = valid.bool()
     raw = logp.float() - behavior_logp.detach().float()  # (B, T)
-    usable = valid & torch.isfinite(raw)
+    finite = valid & torch.isfinite(raw)
+    usable = finite if correction_keep is None else finite & correction_keep.bool()
     adv = advantages.detach().float().expand_as(raw)
     inputs = PolicyLossInputs(
         log_ratio=torch.where(usable, raw, 0.0),
@@ -315,6 +322,8 @@ def compute_policy_loss(
         entropy=None if entropy is None else entropy.detach().float(),
     )
     per_token, metrics = fn(inputs, **params)
+    if correction_weight is not None:
+        per_token = per_token * torch.where(usable, correction_weight.detach().float(), 0.0)
 
     if mask_scope == "global" and world_size(group) > 1 and (
         num_global_tokens is None or num_global_seqs is None
@@ -328,6 +337,7 @@ def compute_policy_loss(
         per_token, valid, loss_agg_mode, num_global_tokens, max_tokens, num_global_seqs
     )
     metrics.update(_common_metrics(inputs))
+    metrics[keys.NONFINITE_TOKENS] = torch.count_nonzero(valid & ~finite)
     return loss, {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
 
 
@@ -344,7 +354,6 @@ def _common_metrics(x: PolicyLossInputs) -> dict[str, torch.Tensor]:
         else torch.tensor(math.nan, device=lr.device),
         keys.RATIO_MEAN: _masked_mean(torch.exp(lr), x.usable),
         keys.VALID_TOKENS: torch.count_nonzero(x.valid),
-        keys.NONFINITE_TOKENS: torch.count_nonzero(x.valid & ~x.usable),
     }
     if x.entropy is not None:
         metrics[keys.ENTROPY_ALL] = _masked_mean(x.entropy, x.valid)

@@ -7,9 +7,9 @@ the reference in parity tests). Both return the same `Completion`s with the same
 Behaviour log-probs (`Completion.logprobs`) are those of the distribution each token was
 actually sampled from, which is what the importance ratio in M2PO / GRPO needs:
 - temperature T > 0: `log_softmax(logits / T)[token]`, the same temperature-scaled log-prob
-  the learner computes (as verl does); with `top_p < 1` the distribution is additionally
-  restricted to the nucleus and renormalised (tokens outside it have log-prob -inf). The
-  learner does not apply top-p, so keep `top_p = 1` for on-policy ratios of exactly 1.
+  the learner computes (as verl does); with `top_k` / `top_p` the distribution is
+  additionally restricted to the kept tokens and renormalised (`m2po_rllib.truncation`: the
+  rule both engines and the learner apply, so an on-policy ratio stays 1).
 - T == 0 (greedy): `log_softmax(logits)[token]` of the raw logits.
 
 Token ids and stop strings follow vLLM: `token_ids` (and `logprobs`) hold every sampled token,
@@ -35,6 +35,8 @@ class SamplingConfig:
     """Softmax temperature; 0 samples greedily."""
     top_p: float = 1.0
     """Nucleus mass kept before sampling; 1 keeps the whole vocabulary."""
+    top_k: int = 0
+    """Most likely tokens kept before sampling (before top-p); 0 or -1 keep them all."""
     max_tokens: int = 64
     """Most tokens generated per sample."""
     stop: list[str] = field(default_factory=list)
@@ -51,6 +53,8 @@ class SamplingConfig:
             raise ValueError(f"`temperature` ({self.temperature}) must be >= 0; 0 is greedy")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"`top_p` ({self.top_p}) must be in (0, 1]; 1 disables it")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"`top_k` ({self.top_k!r}) must be an int >= 1, or 0 / -1 to disable it")
         if self.max_tokens < 1:
             raise ValueError(f"`max_tokens` ({self.max_tokens}) must be >= 1")
         if isinstance(self.stop, str):

@@ -8,7 +8,9 @@ One round of `sample()`:
      and the behaviour log-probs,
   4. score each group with one batched verifier call (`env.score_group`),
   5. pack everything, tagged with the policy version of the engine's weights and a sample
-     id per completion.
+     id per completion; with `recompute_behavior_logp` in async mode, score the round in the
+     learner's numerics with the same weights (`BehaviorScorer`), keeping the engine's
+     log-probs as `engine_logp`.
 
 Weights also arrive through `set_state` (RLlib's own syncs call it); a sync older than
 the engine's weights is ignored either way. The engine owns the version it serves.
@@ -24,6 +26,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import ray
+import torch
 
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
@@ -72,6 +75,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             # oversubscribed torch threads slow every process beside it 10x and more).
             use_cpus(config.num_cpus_per_env_runner)
         self._engine = None
+        self._scorer = None  # BehaviorScorer, with the engine, when this runner scores its rounds
         # Weights that arrived before the engine started (loaded at its start), and, on the
         # local runner, the copy an in-place engine restart reloads. A remote runner drops
         # them once loaded: a restart replaces the whole actor, and the next request carries
@@ -173,9 +177,27 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         t0 = time.perf_counter()
         self._engine = make_engine(settings["kind"], resolve_model_path(settings["model"]), **kwargs)
         self.metrics.log_value(keys.ENGINE_START_S, time.perf_counter() - t0, reduce="mean")
+        self._scorer = self._make_scorer() if self.config.runners_recompute_behavior_logp else None
         if self._pending_weights is not None:
             weights, version = self._pending_weights
-            self._engine.update_weights(weights, version)
+            if self._engine.update_weights(weights, version) and self._scorer is not None:
+                self._scorer.load(weights)
+
+    def _make_scorer(self):
+        """The learner's numerics beside the engine (sharing the HF engine's float32 model)."""
+        from m2po_rllib.models.builtin import resolve_model_path
+        from m2po_rllib.rollout.scorer import BehaviorScorer
+
+        model_config = self.config.model_config
+        shared = getattr(self._engine, "model", None)
+        if shared is None or next(shared.parameters()).dtype != torch.float32:
+            shared = None
+        return BehaviorScorer(
+            resolve_model_path(model_config["model"]),
+            compute_dtype=getattr(torch, model_config["dtype"]),
+            temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+            chunk_size=self.config.logp_chunk_size, model=shared,
+        )
 
     @property
     def weights_version(self) -> int:
@@ -194,6 +216,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if self._engine is not None and self._engine.is_healthy():
             t0 = time.perf_counter()
             self._engine.update_weights(weights, version)
+            if self._scorer is not None:
+                self._scorer.load(weights)
             self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
             self._pending_weights = (weights, version) if self.worker_index == 0 else None
         else:
@@ -225,6 +249,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             n=n,
             temperature=0.0 if greedy else cfg.temperature,
             top_p=1.0 if greedy else cfg.top_p,
+            top_k=0 if greedy else cfg.top_k,
             max_tokens=cfg.max_new_tokens,
             stop=list(cfg.stop or []),
             seed=seed,
@@ -284,6 +309,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             rows_prompt, rows_resp, rows_logp, rewards, max(engine.version, 0),
             sample_ids=range(first_sample_id, first_sample_id + n_rows),
         )
+        if self._scorer is not None:  # behaviour log-probs in the learner's numerics
+            t0 = time.perf_counter()
+            batch["engine_logp"] = batch["behavior_logp"]
+            batch["behavior_logp"] = self._scorer.score(batch)
+            self.metrics.log_value(keys.BEHAVIOR_LOGP_S, time.perf_counter() - t0, reduce="mean")
         n_tokens = int(batch["response_mask"].sum())
         self.metrics.log_value(keys.REWARD_MEAN, float(np.mean(rewards)), reduce="mean")
         self.metrics.log_value(keys.ACCURACY, float(np.mean(correct)), reduce="mean")

@@ -3,8 +3,8 @@
 For tiny models, where vLLM's per-step overhead dominates, and as the reference in parity
 tests. The sampling loop is written out rather than using `model.generate` so that every
 token's behaviour log-prob and every sample's own seeded generator are explicit; its
-semantics (temperature, vLLM's top-p rule, stop strings, seeds per sample, EOS) are those of
-`engine.py`'s docstring.
+semantics (temperature, vLLM's top-k / top-p rule from `m2po_rllib.truncation`, stop
+strings, seeds per sample, EOS) are those of `engine.py`'s docstring.
 """
 
 from __future__ import annotations
@@ -14,21 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
-
-
-def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Masks `logits` (B, V) outside the top-p nucleus with -inf (in place).
-
-    vLLM's rule (`apply_top_k_top_p_pytorch`), so both engines keep the same tokens: sort
-    ascending and drop every token whose cumulative probability is <= 1 - top_p, always
-    keeping the most likely one.
-    """
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # (B, V)
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum_probs <= 1 - top_p
-    drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(dim=-1, index=order, src=sorted_logits)
+from m2po_rllib.truncation import truncate_logits_
 
 
 def sample_next(
@@ -47,10 +33,8 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
         logp = logits.log_softmax(dim=-1)
     else:
-        scaled = logits / sampling.temperature
-        if sampling.top_p < 1:
-            scaled = apply_top_p(scaled, sampling.top_p)
-        logp = scaled.log_softmax(dim=-1)  # (B, V)
+        scaled = truncate_logits_(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        logp = scaled.log_softmax(dim=-1)  # (B, V); -inf outside the kept tokens
         # Exponential race (= Gumbel-max): argmax p / q with q ~ Exp(1) samples from p.
         noise = torch.ones_like(logp)
         for row in rows:

@@ -1,7 +1,7 @@
 """`VLLMEngine`: a `vllm.LLM` behind `GenerationEngine`, with versioned in-place weight syncs.
 
 Log-probs: the LLM runs with `logprobs_mode="processed_logprobs"`, so the log-prob vLLM returns
-for a sampled token is taken after temperature scaling and top-p masking, i.e. of the
+for a sampled token is taken after temperature scaling and top-k / top-p masking, i.e. of the
 distribution it was sampled from; greedy requests get the raw log-softmax (vLLM's
 `Sampler.sample`). Plain vLLM would return raw-logit log-probs whatever the temperature.
 
@@ -155,6 +155,7 @@ class VLLMEngine(GenerationEngine):
             n=1 if sampling.temperature == 0 else sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
             max_tokens=sampling.max_tokens,
             stop=list(sampling.stop) or None,
             seed=seed,

@@ -34,6 +34,7 @@ from ray.rllib.utils.annotations import override
 
 from m2po_rllib import keys
 from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
+from m2po_rllib.losses.correction import mismatch_metrics, rollout_correction
 from m2po_rllib.wire.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch import fsdp
@@ -225,10 +226,9 @@ class M2POTorchLearner(TorchLearner):
         return rank, self.response_logp(batch, rows=slice(rank * n // world, (rank + 1) * n // world))
 
     def logp_mismatch(self, batch: dict[str, Any]) -> dict[str, float]:
-        """|learner log-prob - behaviour log-prob| over the valid tokens of `batch`, which the
-        current weights generated: max, mean and the token count."""
-        diff = np.abs(self.response_logp(batch) - batch["behavior_logp"])[batch["response_mask"] > 0]
-        return {"max": float(diff.max()), "mean": float(diff.mean()), "n": int(diff.size)} if diff.size else {}
+        """The learner's log-probs against the behaviour (engine) ones of `batch`, which the
+        current weights generated (`mismatch_metrics`: |delta| max / mean, KL, ...)."""
+        return mismatch_metrics(self.response_logp(batch), batch["behavior_logp"], batch["response_mask"])
 
     # -- the update ----------------------------------------------------------------------
     @override(TorchLearner)
@@ -274,11 +274,14 @@ class M2POTorchLearner(TorchLearner):
         if len(slices) + padding > 1 and scope_global and cfg.policy_loss in ("m2po", "m2po_official"):
             logp = torch.as_tensor(self.response_logp(mb), device=self._device)  # (B, R)
             log_ratio = logp - mb["behavior_logp"].float()
+            # the tokens the loss sees: finite ratios the rollout correction keeps
+            usable = valid & torch.isfinite(log_ratio) & self._correction(cfg, mb)[1]
+            log_ratio = torch.where(usable, log_ratio, 0.0)
             if cfg.policy_loss == "m2po":
-                keep = m2po_keep_mask_global(log_ratio, valid, params["m2_threshold"], group)
+                keep = m2po_keep_mask_global(log_ratio, usable, params["m2_threshold"], group)
             else:
                 adv = mb["advantages"].float()[:, None].expand_as(log_ratio)
-                params["tau_c"] = m2po_official_tau(log_ratio, adv, valid, params["m2_threshold"], group)
+                params["tau_c"] = m2po_official_tau(log_ratio, adv, usable, params["m2_threshold"], group)
 
         ctx = _Minibatch(
             n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=params, keep=keep,
@@ -325,6 +328,7 @@ class M2POTorchLearner(TorchLearner):
         """The policy loss of `batch`, a micro-batch of `minibatch` (whose counts, mask and
         tau_c it uses; its metrics are added to `minibatch.metrics`), or a whole minibatch."""
         ctx = minibatch or _Minibatch(params=config.policy_loss_params(), mask_scope=config.mask_scope)
+        correction_weight, correction_keep, correction_metrics = self._correction(config, batch)
         loss, metrics = compute_policy_loss(
             config.policy_loss,
             fwd_out[LOGP],
@@ -339,11 +343,26 @@ class M2POTorchLearner(TorchLearner):
             max_tokens=ctx.max_tokens,
             group=None if config.mask_scope == "global" else LOCAL,
             mask_scope=ctx.mask_scope,
+            correction_weight=correction_weight,
+            correction_keep=correction_keep,
             **ctx.params,
         )
+        metrics.update(correction_metrics)
         metrics[keys.LOSS] = loss.detach()
         ctx.metrics.add(metrics)
         return loss
+
+    @staticmethod
+    def _correction(config, batch: dict[str, Any]):
+        """`(weight, keep, metrics)` of the configured rollout correction for `batch`'s rows
+        (per row, so a micro-batch's is the slice of its minibatch's); all-ones without one."""
+        valid = batch["response_mask"] > 0
+        if not config.rollout_correction:
+            return None, torch.ones_like(valid), {}
+        return rollout_correction(
+            config.rollout_correction, batch["behavior_logp"], batch["engine_logp"], valid,
+            low=config.rollout_correction_low, high=config.rollout_correction_high,
+        )
 
     @override(TorchLearner)
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):

@@ -14,6 +14,12 @@ backward, one float32 (V, H) accumulator for the head's gradient).
 Logits are computed in the head's dtype (bf16 weights stay bf16 in the matmul), then
 cast to float32 for the softmax, as the full-logits path does. The entropy is a
 diagnostic: it is returned without gradient.
+
+Truncated sampling (`top_k`, `top_p`) is replayed: each position's distribution is
+restricted to the tokens the engine's rule keeps (`m2po_rllib.truncation`, applied to the
+learner's own logits) and renormalised over them, in forward and in backward (the kept
+set is recomputed with the chunk's logits), so an on-policy ratio is 1. A target outside
+the kept set has log-prob -inf.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from m2po_rllib.truncation import dropped_tokens
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -85,7 +93,7 @@ class _ChunkedLogp(torch.autograd.Function):
     """log softmax((h W^T + b) / temperature)[target] over chunks of flattened positions."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, top_k, top_p):
         # hidden (N, H), targets (N,)
         n_pos = hidden.shape[0]
         logp = hidden.new_empty(n_pos, dtype=torch.float32)
@@ -95,18 +103,23 @@ class _ChunkedLogp(torch.autograd.Function):
         for start in range(0, n_pos, chunk_size):
             end = min(start + chunk_size, n_pos)
             logits = bufs.logits_of(hidden[start:end], weight, bias, temperature)  # (n, V)
-            top = logits.amax(-1, keepdim=True)  # (n, 1)
+            drop = dropped_tokens(logits, top_k, top_p)  # None without truncation
+            if drop is not None:
+                logits.masked_fill_(drop, float("-inf"))
+            top = logits.amax(-1, keepdim=True)  # (n, 1), finite: one token is always kept
             unnormalised = torch.sub(logits, top, out=bufs.work[: end - start]).exp_()  # (n, V)
             total = unnormalised.sum(-1, keepdim=True)
             chunk_lse = (top + total.log()).squeeze(-1)  # (n,)
             lse[start:end] = chunk_lse
             logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-            if with_entropy:  # H = lse - E_p[logits]
-                mean_logit = unnormalised.mul_(logits).sum(-1) / total.squeeze(-1)
+            if with_entropy:  # H = lse - E_p[logits] (dropped tokens: p = 0, no -inf * 0)
+                finite_logits = logits if drop is None else logits.masked_fill_(drop, 0.0)
+                mean_logit = unnormalised.mul_(finite_logits).sum(-1) / total.squeeze(-1)
                 entropy[start:end] = chunk_lse - mean_logit
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
+        ctx.truncation = (top_k, top_p)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -126,6 +139,9 @@ class _ChunkedLogp(torch.autograd.Function):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end]
             logits = bufs.logits_of(h, weight, bias, temperature)  # (n, V)
+            drop = dropped_tokens(logits, *ctx.truncation)  # the forward's kept set
+            if drop is not None:  # softmax over the kept tokens: 0 elsewhere
+                logits.masked_fill_(drop, float("-inf"))
             # d logp / d logits = (onehot(target) - softmax) / temperature, in place
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
@@ -146,7 +162,7 @@ class _ChunkedLogp(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if need_b:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def chunked_logp_entropy(
@@ -157,8 +173,11 @@ def chunked_logp_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
     bias: torch.Tensor | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-prob of `targets` (and entropy) under softmax(lm_head(hidden) / T).
+    """Per-token log-prob of `targets` (and entropy) under softmax(lm_head(hidden) / T),
+    restricted to the `top_k` / `top_p` kept tokens when those truncate.
 
     Args:
         hidden: (B, R, H) hidden states that predict the targets.
@@ -170,6 +189,8 @@ def chunked_logp_entropy(
         chunk_size: positions per chunk over the flattened (B * R) positions; the extra
             memory is ~2 x chunk_size x V x 4 bytes at a time (+ V x H x 4 in backward).
         with_entropy: also return the per-token entropy (float32, no gradient).
+        top_k, top_p: the sampling truncation to replay (`m2po_rllib.truncation`); the
+            defaults keep every token.
 
     Returns:
         (logp, entropy): (B, R) float32 each; entropy None unless `with_entropy`.
@@ -197,6 +218,8 @@ def chunked_logp_entropy(
         float(temperature),
         chunk_size,
         with_entropy,
+        int(top_k),
+        float(top_p),
     )
     return logp.view(B, R), (entropy.view(B, R) if with_entropy else None)
 
@@ -208,8 +231,11 @@ def response_logp(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
     compute_dtype: torch.dtype | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(logp, entropy)`, (B, R) float32, of a batch's response tokens under `model`.
+    """`(logp, entropy)`, (B, R) float32, of a batch's response tokens under `model`
+    (sampled at `temperature`, truncated by `top_k` / `top_p`).
 
     `batch` holds `input_ids`, `attention_mask` (B, P + R) and `response_mask` (B, R), the
     layout of `HFCausalLMModule`. Same values as the full-logits path
@@ -240,4 +266,6 @@ def response_logp(
     # the casts are autograd ops: the head's gradient reaches the master weights
     weight = head.weight.to(dtype)
     bias = None if head.bias is None else head.bias.to(dtype)
-    return chunked_logp_entropy(hidden.to(dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias)
+    return chunked_logp_entropy(
+        hidden.to(dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias, top_k=top_k, top_p=top_p
+    )

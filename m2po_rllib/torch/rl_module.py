@@ -20,6 +20,7 @@ from ray.rllib.utils.annotations import override
 
 from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
+from m2po_rllib.truncation import truncate_logits_
 
 from m2po_rllib.log_filters import quiet_rllib_module_config_deprecation
 
@@ -39,13 +40,16 @@ def response_logp_and_entropy(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each response token under `model`, from the full logits
     (B, P + R, V): the plainly written reference that `m2po_rllib.torch.logp` (what the
     module uses) is tested against, and the old path of `bench/bench_learner_memory.py`.
 
     Logits are divided by `temperature` before the softmax: the log-probs are those of
-    the distribution the rollout engine sampled from (as verl computes them).
+    the distribution the rollout engine sampled from (as verl computes them), restricted
+    to the `top_k` / `top_p` kept tokens when those truncate (`m2po_rllib.truncation`).
     Returns `(B, R)` tensors, float32.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -57,12 +61,14 @@ def response_logp_and_entropy(
     logits = logits[:, prompt_len - 1 : -1, :].float()  # (B, R, V)
     if temperature != 1.0:
         logits = logits / temperature
+    B, R, V = logits.shape
+    logits = truncate_logits_(logits.reshape(B * R, V).clone(), top_k, top_p).view(B, R, V)
     log_probs = logits.log_softmax(-1)
     targets = input_ids[:, prompt_len:]
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
     entropy = None
     if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = -(log_probs.exp() * log_probs.masked_fill(log_probs == float("-inf"), 0.0)).sum(-1)
     return logp, entropy
 
 
@@ -74,7 +80,8 @@ class HFCausalLMModule(TorchRLModule):
         dtype: the compute dtype, "float32" or "bfloat16": the weights, their gradients
             and AdamW's moments stay float32 (master weights; bf16 weights would round
             away updates of lr ~1e-6), and the forward/backward run under autocast.
-        temperature: that of the rollouts (log-probs are computed for it).
+        temperature, top_k, top_p: those of the rollouts (log-probs are computed for the
+            distribution they sample from).
         logp_chunk_size: response positions per chunk of the log-prob computation.
         gradient_checkpointing: trade compute for memory on long responses.
     """
@@ -94,6 +101,7 @@ class HFCausalLMModule(TorchRLModule):
         self.model_path = resolve_model_path(cfg["model"])
         self.compute_dtype = _DTYPES[cfg["dtype"]]
         self.temperature = float(cfg["temperature"])
+        self.top_k, self.top_p = int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
         self.logp_chunk_size = int(cfg["logp_chunk_size"])
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if cfg.get("gradient_checkpointing"):
@@ -122,7 +130,7 @@ class HFCausalLMModule(TorchRLModule):
         """`(logp, entropy)` of the batch's response tokens, each `(B, R)` float32, with
         memory bounded by `logp_chunk_size` (`m2po_rllib.torch.logp`)."""
         kwargs = dict(temperature=self.temperature, chunk_size=self.logp_chunk_size, with_entropy=with_entropy,
-                      compute_dtype=self.compute_dtype)
+                      compute_dtype=self.compute_dtype, top_k=self.top_k, top_p=self.top_p)
         if self._sharded_root is None:
             return chunked_response_logp(self.model, batch, **kwargs)
         out = self._sharded_root(batch, **kwargs)

@@ -5,6 +5,9 @@ consecutive rows sharing one prompt:
     prompt_ids      (B, P) int64, left-padded     prompt_mask   (B, P) float32
     response_ids    (B, R) int64, right-padded    response_mask (B, R) float32
     behavior_logp   (B, R) float32   log-prob of each token under the generating weights
+    engine_logp     (B, R) float32   only with recompute_behavior_logp: the engine's own
+                                     log-probs, while behavior_logp holds the learner-numerics
+                                     ones (what rollout corrections and mismatch metrics compare)
     rewards         (B,)   float32
     policy_version  (B,)   int64     optimizer updates behind the generating weights
     sample_id       (B,)   int64     unique per sampled completion over the run
@@ -21,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 ROW_KEYS_2D_LEFT = ("prompt_ids", "prompt_mask")
-ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp")
+ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp", "engine_logp")
 ROW_KEYS_1D = ("rewards", "policy_version", "sample_id")
 
 
@@ -111,7 +114,8 @@ def take_rows(batch: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.n
 
 def to_train_batch(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict[str, np.ndarray]:
     """The learner's view: one token sequence per row plus what the loss needs."""
-    return {
+    extra = {"engine_logp": batch["engine_logp"]} if "engine_logp" in batch else {}
+    return extra | {
         "input_ids": np.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1),
         "attention_mask": np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1),
         "response_mask": batch["response_mask"],

@@ -1,0 +1,88 @@
+"""`BehaviorScorer`: a runner's own samples scored in the learner's numerics, beside its engine.
+
+With asynchronous rollouts the learner never holds the weights that generated a round when
+the round arrives (it has moved on), so behaviour log-probs in the learner's numerics must
+be computed where those weights are: on the runner, right after generation, with the same
+weights the engine just sampled from. The scorer runs the learner's own log-prob function
+(`m2po_rllib.torch.logp.response_logp`: the decoder, the chunked head, the sampling
+temperature and truncation replayed) with the learner's compute dtype over float32 master
+weights, i.e. the numbers `recompute_behavior_logp` gives in sync mode, where the learners
+compute them.
+
+Memory: a float32 copy of the weights beside the engine, unless the engine is the HF engine
+in float32, whose model is shared (it already holds exactly those weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from m2po_rllib.torch.logp import response_logp
+from m2po_rllib.wire.batch import to_train_batch
+
+ROWS_PER_FORWARD = 32  # sequences per no-grad forward (bounds the activations)
+
+
+class BehaviorScorer:
+    """Behaviour log-probs `(B, R)` of a rollout batch under the runner's current weights."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        compute_dtype: torch.dtype,
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        chunk_size: int = 256,
+        model: torch.nn.Module | None = None,
+        device: str = "cpu",
+    ):
+        """`model`: a float32 model that already serves the engine's weights (shared, never
+        loaded here); None loads the checkpoint at `model_path` and takes every weight sync
+        through `load`."""
+        from transformers import AutoModelForCausalLM
+
+        self.owns_model = model is None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+            model.eval()
+            model.requires_grad_(False)
+        elif next(model.parameters()).dtype != torch.float32:
+            raise ValueError("a shared scoring model must hold float32 weights (the learner's master weights)")
+        self.model = model
+        self.kwargs = dict(
+            temperature=float(temperature), chunk_size=int(chunk_size), with_entropy=False,
+            compute_dtype=compute_dtype, top_k=int(top_k), top_p=float(top_p),
+        )
+
+    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copies a weight sync (HF names, as the engines take them) into the scoring model."""
+        if not self.owns_model:
+            return
+        state = self.model.state_dict()
+        unknown = sorted(set(weights) - set(state))
+        if unknown:
+            raise KeyError(f"{len(unknown)} weights are not in the scoring model, e.g. {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                state[name].copy_(torch.as_tensor(tensor))
+
+    @torch.no_grad()
+    def score(self, rollout: dict[str, np.ndarray]) -> np.ndarray:
+        """float32 `(B, R)` log-probs of `rollout`'s response tokens (0 on padding)."""
+        train = to_train_batch(rollout, np.zeros(len(rollout["response_mask"]), np.float32))
+        device = next(self.model.parameters()).device
+        out = []
+        for start in range(0, len(train["response_mask"]), ROWS_PER_FORWARD):
+            part = {
+                k: torch.as_tensor(np.ascontiguousarray(train[k][start : start + ROWS_PER_FORWARD])).to(device)
+                for k in ("input_ids", "attention_mask", "response_mask")
+            }
+            logp, _ = response_logp(self.model, part, **self.kwargs)
+            out.append(logp.float().cpu().numpy())
+        logp = np.concatenate(out)
+        return np.where(rollout["response_mask"] > 0, logp, 0.0).astype(np.float32)

@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro repro-tau test test-fast bench clean
+.PHONY: setup train lab repro repro-tau mismatch test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ repro: setup
 repro-tau: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_tau.yaml --out runs/repro/paper-mini-tau --no-report $(ARGS)
 	$(VENV)/bin/m2po report runs/repro/paper-mini runs/repro/paper-mini-tau --out runs/repro/report
+
+# Engine numerics (~17 min): M2PO at staleness 64 with the engine in fp32, in bf16, and in bf16
+# with recomputed behaviour log-probs + truncated IS, 3 seeds; report in runs/mismatch/report.
+mismatch: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/mismatch.yaml --out runs/mismatch $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

@@ -14,7 +14,11 @@ Writes bench/results/mismatch.json.
    `--warm`, each variant in a fresh process: no check (`logp_mismatch_interval=0`), the
    default check every 10 steps, the check every step, `recompute_behavior_logp` (the
    metrics on every step for free), and recompute with `rollout_correction="tis_token"`.
-   Shares are against the no-check step. One CPU-heavy job at a time: run it alone.
+   A variant's cost is the time its check (or recompute) takes, averaged over the steps,
+   as a share of its own median step: medians of separate processes differ by ~10% on this
+   machine, more than what is measured. The correction itself (weights, mask, metrics for
+   the step's 4 minibatches) is timed alone on the main job's shapes (`correction_s`).
+   One CPU-heavy job at a time: run it alone.
 """
 
 from __future__ import annotations
@@ -105,19 +109,52 @@ def cost(variant: str, steps: int, warm: int) -> dict:
     init_ray(worker_logs=False)
     config = M2POConfig.from_yaml(str(REPO / "configs" / "default.yaml"), overrides)
     algo = config.build_algo()
-    times, checks = [], []
+    spent = [0.0]
+
+    def timed(method):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return wrapper
+
+    # the check and the recompute, timed where they run (RLlib's timers are smoothed)
+    algo._log_logp_mismatch = timed(algo._log_logp_mismatch)
+    algo._recompute_behavior_logp = timed(algo._recompute_behavior_logp)
+    times = []
     try:
         for i in range(warm + steps):
+            if i == warm:
+                spent[0] = 0.0
             t0 = time.perf_counter()
-            result = algo.train()
+            algo.train()
             if i >= warm:
                 times.append(time.perf_counter() - t0)
-                checks.append(result.get("timers", {}).get("logp_mismatch_timer", 0.0))
     finally:
         algo.stop()
         ray.shutdown()
-    return {"variant": variant, "overrides": COST_VARIANTS[variant], "step_s_median": statistics.median(times),
-            "check_s_median": statistics.median(checks), "steps": steps}
+    step, check = statistics.median(times), spent[0] / steps  # the check: its mean per step
+    return {"variant": variant, "overrides": COST_VARIANTS[variant], "step_s_median": step,
+            "check_s_median": check, "check_share_of_step": check / step, "steps": steps}
+
+
+def correction_seconds(reps: int = 50) -> float:
+    """One step's rollout correction on the main job's shapes: 4 minibatches of 64 x 8 tokens."""
+    import torch
+
+    from m2po_rllib.losses.correction import rollout_correction
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    engine = -torch.rand(64, 8, generator=g) * 3
+    behav = engine + torch.randn(64, 8, generator=g) * 5e-3
+    valid = torch.ones(64, 8, dtype=torch.bool)
+    t0 = time.perf_counter()
+    for _ in range(reps * 4):
+        rollout_correction("tis_token", behav, engine, valid)
+    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
@@ -160,14 +197,16 @@ def main() -> None:
                           f"{r['tokens_per_s']:.0f} tok/s")
     if args.only in (None, "cost"):
         results["cost"] = [child(f"cost:{v}") for v in COST_VARIANTS]
-        base = next((r["step_s_median"] for r in results["cost"] if r.get("variant") == "no_check"), None)
         for r in results["cost"]:
             if "error" in r:
                 print(f"{r['spec']}: failed: {r['error'][-300:]}")
                 continue
-            r["share_of_step"] = r["step_s_median"] / base - 1 if base else None
-            print(f"{r['variant']:17s} step {r['step_s_median']:.3f} s  (+{100 * r['share_of_step']:.1f}% vs no check)"
-                  f"  check {r['check_s_median']:.3f} s")
+            print(f"{r['variant']:17s} step {r['step_s_median']:.3f} s  check/recompute {r['check_s_median']:.3f} s"
+                  f" = {100 * r['check_share_of_step']:.1f}% of the step")
+        results["correction_s_per_step"] = correction_seconds()
+        step = next(r["step_s_median"] for r in results["cost"] if r.get("variant") == "recompute_tis")
+        print(f"the correction itself: {1e3 * results['correction_s_per_step']:.2f} ms per step "
+              f"= {100 * results['correction_s_per_step'] / step:.2f}% of the step")
     results["machine"] = "2 CPU cores, no GPU (this project's dev machine)"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))

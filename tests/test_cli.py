@@ -312,3 +312,24 @@ def test_the_record_survives_a_crash_like_the_checkpoint(tmp_path, capfd, monkey
     assert [h["iteration"] for h in history] == [1, 2, 3, 4]
     assert summary["start_heldout_accuracy"] == start and summary["train_seconds"] > seconds
     assert summary["iterations"] == 4 and re.search(r"change \(points\)\s+[+-]\d", out)
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_delivered_after_it():
+    """Python drops an exception raised inside `__del__` (it prints "Exception ignored in"):
+    a Ctrl-C that arrives while a finalizer runs is raised again just after it, not lost."""
+    from m2po_rllib.jobs.train import _CtrlC
+
+    raised_inside = []
+
+    class Finalized:
+        def __del__(self):
+            try:
+                ctrl_c._handle(signal.SIGINT, sys._getframe())
+            except KeyboardInterrupt:
+                raised_inside.append(True)
+
+    with _CtrlC() as ctrl_c:
+        Finalized()  # its __del__ runs here and receives the Ctrl-C
+        with pytest.raises(KeyboardInterrupt):
+            time.sleep(5)  # the re-delivered SIGINT interrupts this
+    assert raised_inside == [] and ctrl_c.requested

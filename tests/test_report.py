@@ -269,3 +269,22 @@ def test_two_runs_of_one_seed_are_one_seed(train_runs, tmp_path, capsys):
     md = (tmp_path / "report" / "report.md").read_text()
     assert _row(md, "m2po, stale 2, tau 0.04, lr 0.0001")[1] == "1 (0), 2 runs"
     assert str(tmp_path) not in md  # paths relative to the report, so it can move
+
+
+def test_engine_numerics_make_their_own_variants(tmp_path):
+    """Runs that differ in the engine's dtype, recomputed log-probs or a correction are
+    different variants, labelled by what differs; seeds still pool."""
+    from m2po_rllib.jobs.runs import Run, group_variants
+
+    base = {"policy_loss": "m2po", "staleness": 64, "m2_threshold": 0.04, "lr": 3e-5}
+    numerics = [{}, {"engine_kwargs": {"dtype": "bfloat16"}},
+                {"engine_kwargs": {"dtype": "bfloat16"}, "recompute_behavior_logp": True, "rollout_correction": "tis_token"}]
+    runs = [Run(tmp_path / f"{i}-{seed}", {**base, **n, "seed": seed}, [{"iteration": 1}])
+            for i, n in enumerate(numerics) for seed in (0, 1)]
+    variants = group_variants(runs)
+    assert [len(v.runs) for v in variants] == [2, 2, 2]
+    assert sorted(v.label() for v in variants) == [
+        "m2po, stale 64, tau 0.04, lr 3e-05",
+        "m2po, stale 64, tau 0.04, lr 3e-05, engine bf16",
+        "m2po, stale 64, tau 0.04, lr 3e-05, engine bf16, recomputed, tis_token",
+    ]

@@ -8,6 +8,8 @@ one colour per variant, mean over seeds with a +-1 std band, optimizer updates o
 - token_fraction.png: M2PO's masked vs the clip losses' clipped token fraction
 - entropy.png: entropy of masked / clipped tokens (dashed) vs all tokens (solid)
 - m2.png: M2 (mean squared log-ratio) before (solid) and after (dashed) M2PO's mask
+- mismatch.png: the engine's log-probs against the learner's (mean |delta|), where measured
+  (the mismatch check, or every round with recomputed behaviour log-probs)
 """
 
 from __future__ import annotations
@@ -56,16 +58,16 @@ def _panels(variants: list[Variant]):
 def _colors(variants: list[Variant]):
     plt = _plt()
     cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
-    family = sorted({(v.key[0], v.key[3], v.key[4]) for v in variants}, key=str)
+    family = sorted({_family(v) for v in variants}, key=str)
     return {f: cmap(i % cmap.N) for i, f in enumerate(family)}
 
 
 def _family(v: Variant):
-    return v.key[0], v.key[3], v.key[4]
+    return v.key[0], v.key[3], v.key[4], v.key[5]
 
 
 def _label(v: Variant, variants: list[Variant]) -> str:
-    varying = [c for c, i in (("m2_threshold", 3), ("lr", 4)) if len({u.key[i] for u in variants}) > 1]
+    varying = [c for c, i in (("m2_threshold", 3), ("lr", 4), ("numerics", 5)) if len({u.key[i] for u in variants}) > 1]
     return v.label(("policy_loss", *varying))
 
 
@@ -169,5 +171,8 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
         _per_staleness(variants, out, "m2", [("m2_before", "-"), ("m2_after", "--")], "M2",
                        "M2 (mean squared log-ratio) before and after the mask" + avg,
                        smooth=smooth, logy=True, refs=sorted({v.key[3] for v in variants if v.key[3] is not None})),
+        _per_staleness(variants, out, "mismatch", [("logp_mismatch_mean", "-")], "mean |delta log-prob|",
+                       "engine vs learner log-probs on the generating weights", logy=True,
+                       when="logp_mismatch_mean"),
     ]
     return [p for p in paths if p is not None]

@@ -1,7 +1,7 @@
 """The runs `m2po report` reads: `m2po train` run directories and Tune trials (`m2po lab`),
 found up to three levels below each directory given, as the same history records
 (`m2po_rllib.jobs.history.history_record`), grouped into variants (loss, staleness, tau,
-lr) with seeds pooled."""
+lr, numerics) with seeds pooled."""
 
 from __future__ import annotations
 
@@ -16,7 +16,19 @@ from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.history import history_record
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
-SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed")
+SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed",
+            "engine_kwargs", "recompute_behavior_logp", "rollout_correction")
+_SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def numerics_label(settings: dict[str, Any]) -> str | None:
+    """How a run's ratios were computed, when not the default (engine log-probs in the
+    learner's own dtype): the engine's dtype, recomputed behaviour log-probs, a correction."""
+    dtype = (settings.get("engine_kwargs") or {}).get("dtype")
+    parts = [f"engine {_SHORT_DTYPES.get(dtype, dtype)}" if dtype else None,
+             "recomputed" if settings.get("recompute_behavior_logp") else None,
+             settings.get("rollout_correction")]
+    return ", ".join(p for p in parts if p) or None
 
 
 @dataclass
@@ -60,15 +72,16 @@ class Variant:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return dict(zip(("policy_loss", "mode", "staleness", "m2_threshold", "lr"), self.key))
+        return dict(zip(("policy_loss", "mode", "staleness", "m2_threshold", "lr", "numerics"), self.key))
 
-    def label(self, columns=("policy_loss", "staleness", "m2_threshold", "lr")) -> str:
+    def label(self, columns=("policy_loss", "staleness", "m2_threshold", "lr", "numerics")) -> str:
         s = self.settings
         parts = {
             "policy_loss": s["policy_loss"],
             "staleness": f"stale {'<=' if s['mode'] == 'async' else ''}{s['staleness']}",
             "m2_threshold": f"tau {s['m2_threshold']:g}" if s["m2_threshold"] is not None else None,
             "lr": f"lr {s['lr']:g}",
+            "numerics": s["numerics"],
         }
         return ", ".join(parts[c] for c in columns if parts.get(c))
 
@@ -166,7 +179,8 @@ def group_variants(runs: list[Run]) -> list[Variant]:
         takes_tau = loss != "?" and "m2_threshold" in policy_loss_params(loss)
         mode = "async" if s.get("async_rollouts") else "stale-k"
         staleness = s.get("max_staleness") if mode == "async" else s.get("staleness")
-        key = (loss, mode, int(staleness or 0), s.get("m2_threshold") if takes_tau else None, s.get("lr"))
+        key = (loss, mode, int(staleness or 0), s.get("m2_threshold") if takes_tau else None, s.get("lr"),
+               numerics_label(s))
         variants.setdefault(key, Variant(key)).runs.append(run)
     return sorted(variants.values(), key=lambda v: tuple((x is None, x) for x in v.key))
 

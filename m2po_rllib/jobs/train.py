@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,11 @@ class _CtrlC:
         signal.signal(signal.SIGINT, self._previous)
 
     def _handle(self, signum, frame):
+        if _in_finalizer(frame):
+            # Python prints and drops an exception raised inside a __del__ ("Exception
+            # ignored in ..."): deliver this Ctrl-C again once the finalizer is done
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
         if self._in_step and not self.requested:
             self.requested = True
             print("\nCtrl-C: stopping after this iteration to save a checkpoint (Ctrl-C again to quit without it)", flush=True)
@@ -90,6 +96,15 @@ class _CtrlC:
             yield
         finally:
             self._in_step = False
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether `frame` runs inside an object's `__del__` (on its own or a caller's frame)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def run_training(

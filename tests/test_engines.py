@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from _references import plain_truncated_logp
 from m2po_rllib.rollout.engine import EngineDeadError, SamplingConfig, make_engine
 from m2po_rllib.rollout.vllm_engine import pid_alive, serialize_weight_chunks
 
@@ -76,19 +77,7 @@ def reference_logprobs(model, prompt, tokens, temperature, top_p=1.0, top_k=0):
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     if temperature > 0:
         logits = logits / temperature
-    out = []
-    for step, token in enumerate(tokens):
-        row = logits[step].clone()
-        if top_k > 0:
-            row[row < row.sort(descending=True).values[top_k - 1]] = float("-inf")
-        if top_p < 1:
-            order = row.argsort()  # ascending
-            cum = row[order].softmax(-1).cumsum(-1)
-            for rank, idx in enumerate(order[:-1].tolist()):
-                if cum[rank] <= 1 - top_p:
-                    row[idx] = float("-inf")
-        out.append(row.log_softmax(-1)[token].item())
-    return out
+    return [plain_truncated_logp(logits[step], top_k, top_p)[token].item() for step, token in enumerate(tokens)]
 
 
 def assert_same(groups_a, groups_b):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _references import plain_truncated_logp
 from m2po_rllib.models.tiny import tiny_qwen2_config
 from m2po_rllib.torch.logp import chunked_logp_entropy, response_logp
 from m2po_rllib.torch.rl_module import response_logp_and_entropy
@@ -186,22 +187,6 @@ def test_bad_chunk_size_is_rejected(bad):
 
 
 # -- truncated sampling (top-k / top-p) replayed -------------------------------------------
-def plain_truncated_logp(logits_row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """log-probs (V,) of one temperature-scaled logits row under vLLM's rule, written out:
-    keep the logits >= the k-th largest, then drop (ascending) every token whose cumulative
-    probability over the kept ones is <= 1 - top_p, keeping the most likely."""
-    row = logits_row.clone()
-    if top_k > 0:
-        row[row < row.sort(descending=True).values[top_k - 1]] = float("-inf")
-    if top_p < 1:
-        order = row.argsort()  # ascending
-        cum = row[order].softmax(-1).cumsum(-1)
-        for rank, idx in enumerate(order[:-1].tolist()):
-            if cum[rank] <= 1 - top_p:
-                row[idx] = float("-inf")
-    return row.log_softmax(-1)
-
-
 def sampled_in_nucleus(model, temperature, top_k, top_p, seed=0):
     """A padded batch whose response tokens are drawn from the model's own truncated
     distribution (so every target is kept), token by token."""

@@ -195,7 +195,13 @@ class M2PO(Algorithm):
         with self.metrics.log_time((TIMERS, keys.LOGP_MISMATCH_TIMER)):
             if cfg.recompute_behavior_logp:
                 self._recompute_behavior_logp(rollout)
-            elif cfg.logp_mismatch_interval and (self._sampler.steps_sampled - 1) % cfg.logp_mismatch_interval == 0:
+            elif (
+                cfg.logp_mismatch_interval
+                and (self._sampler.steps_sampled - 1) % cfg.logp_mismatch_interval == 0
+                # only a round the learner's current weights generated (broadcast_interval > 1:
+                # the runners may serve older ones)
+                and int(rollout["policy_version"].min()) == self.policy_version
+            ):
                 self._log_logp_mismatch(rollout)
         batch = self._sampler.push(rollout)
         self.metrics.log_value(keys.FILLING, int(batch is None), window=1)

@@ -9,8 +9,10 @@ restricted to the kept tokens and renormalised over them:
 
 so the learner must compute its log-probs under the same restriction, or every
 importance ratio is off by the kept mass even on-policy. The kept set is that of vLLM's
-`apply_top_k_top_p` (vllm/v1/sample/ops/topk_topp_sampler.py), applied to the
-temperature-scaled logits, top-k first:
+`apply_top_k_top_p_pytorch` (vllm/v1/sample/ops/topk_topp_sampler.py: what vLLM runs on
+CPU; on GPU with Triton it runs a pivot-based kernel meant to keep the same set, where a
+token on the boundary may fall differently), applied to the temperature-scaled logits,
+top-k first:
 - top-k: keep every token whose logit is >= the k-th largest (ties at the k-th value
   are all kept);
 - top-p: over the top-k-restricted distribution, sort ascending, drop every token whose
@@ -54,7 +56,9 @@ def dropped_tokens(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> 
         kth = sorted_logits[:, vocab - top_k : vocab - top_k + 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-    drop_sorted = cum <= 1 - top_p
+    # 1 - p in float32, as vLLM computes it from its float32 `p` (0.100000024 at top_p=0.9,
+    # where float64 would give 0.1000000015): a token on that boundary falls the same way
+    drop_sorted = cum <= 1 - torch.tensor(top_p, dtype=torch.float32, device=cum.device)
     drop_sorted[:, -1] = False
     if use_k:
         drop_sorted |= torch.isneginf(sorted_logits)

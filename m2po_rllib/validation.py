@@ -291,9 +291,18 @@ def check_batch_shapes(config) -> list[Problem]:
 def check_rollout_mode(config) -> list[Problem]:
     """`async_rollouts` and what it needs; `max_staleness` only with it."""
     if not config.async_rollouts:
+        out = []
+        if config.recompute_behavior_logp and config.broadcast_interval > 1:
+            out.append(problem(
+                ("recompute_behavior_logp", "broadcast_interval"),
+                f"`recompute_behavior_logp` in sync mode has the learners score each round with their current "
+                f"weights, which generated it only when they are broadcast every step; `broadcast_interval` is "
+                f"{config.broadcast_interval}: set broadcast_interval=1, or async_rollouts=True (the runners "
+                "then score their own rounds)",
+            ))
         if config.max_staleness is None:
-            return []
-        return [problem(
+            return out
+        return out + [problem(
             ("max_staleness", "async_rollouts"),
             f"`max_staleness` ({config.max_staleness}) bounds asynchronous rollouts, which are off; set "
             "async_rollouts=True, or use `staleness` for the exact-k protocol",

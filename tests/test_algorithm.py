@@ -65,6 +65,8 @@ def tiny_config(model_dir: str, **training) -> M2POConfig:
          "`rollout_correction_low` (1.5) must be in [0, 1)", {"rollout_correction_low"}),
         (dict(rollout_correction_high=3.0), "`rollout_correction_high` bound a rollout correction, which is off",
          {"rollout_correction_high", "rollout_correction"}),
+        (dict(recompute_behavior_logp=True, broadcast_interval=2), "`broadcast_interval` is 2: set broadcast_interval=1",
+         {"recompute_behavior_logp", "broadcast_interval"}),
     ],
 )
 def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle, at_fault):
@@ -164,6 +166,24 @@ def test_an_engine_in_another_dtype_without_recomputed_logp_is_announced_once(ti
         tiny_config(tiny_model_dir, recompute_behavior_logp=True).env_runners(engine_kwargs={"dtype": "bfloat16"}).validate()
     said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("the rollout engine computes in bfloat16 (engine_kwargs), the learner in float32")
+
+
+@pytest.mark.slow
+def test_the_mismatch_check_skips_rounds_of_weights_the_learner_has_left(ray_session, tiny_model_dir):
+    """broadcast_interval=2: every other round comes from weights 2 updates old; checking it
+    against the learner's current weights would report the update as engine mismatch."""
+    cfg = tiny_config(tiny_model_dir, lr=1e-2, weight_decay=0.5, broadcast_interval=2)
+    algo = cfg.build_algo()
+    try:
+        measured = []
+        for _ in range(4):
+            result = algo.train()
+            measured.append(result["rollout/logp_mismatch_max"])
+        assert result["env_runners"]["rollout/engine_policy_version"] == 4  # the last round: weights 4, learner at 6
+        # rounds 1 and 3 came from the weights the learner held: checked; 2 and 4 did not: NaN (nothing measured)
+        assert measured[0] < 1e-4 and measured[2] < 1e-4 and np.isnan(measured[1]) and np.isnan(measured[3])
+    finally:
+        algo.stop()
 
 
 @pytest.mark.slow

@@ -259,6 +259,11 @@ def test_the_truncation_rule_is_vllms():
         ours = dropped_tokens(logits, top_k, top_p)
         assert torch.equal(ours, torch.isneginf(theirs)), (top_k, top_p)
     assert dropped_tokens(logits, 0, 1.0) is None and dropped_tokens(logits, -1, 1.0) is None
+    # a token whose mass (0.10000002 in float32) lies between 1 - 0.9 in float64 and in
+    # float32 (vLLM's): vLLM drops it, and so must we
+    boundary = torch.tensor([[-2.197224497336219, 0.0]])
+    theirs = vllm_ops.apply_top_k_top_p_pytorch(boundary.clone(), None, torch.full((1,), 0.9), allow_cpu_sync=True)
+    assert torch.isneginf(theirs[0, 0]) and torch.equal(dropped_tokens(boundary, 0, 0.9), torch.isneginf(theirs))
 
 
 @pytest.mark.slow

@@ -67,19 +67,24 @@ class _CtrlC:
         self.requested = False
         self.abandoned = False
         self._in_step = False
+        self._deferred: threading.Timer | None = None
 
     def __enter__(self):
         self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc):
+        if self._deferred is not None and self._deferred.is_alive():
+            self._deferred.cancel()  # a Ctrl-C still to be delivered: it is a request to stop
+            self.requested = True
         signal.signal(signal.SIGINT, self._previous)
 
     def _handle(self, signum, frame):
         if _in_finalizer(frame):
             # Python prints and drops an exception raised inside a __del__ ("Exception
             # ignored in ..."): deliver this Ctrl-C again once the finalizer is done
-            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            self._deferred = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            self._deferred.start()
             return
         if self._in_step and not self.requested:
             self.requested = True

@@ -33,7 +33,8 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
         # update, so a runner serving stale weights would show a log-prob mismatch.
         .training(group_size=4, prompts_per_step=4, minibatch_prompts=2, lr=1e-2, weight_decay=0.5,
                   logp_mismatch_interval=1)
-        .fault_tolerance(restart_failed_env_runners=True)
+        # RLlib's runner sleeps delay_between_env_runner_restarts_s (60 s) before exiting on an error
+        .fault_tolerance(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=1)
         .debugging(seed=0)
     )
     algo = config.build_algo()

@@ -266,9 +266,10 @@ class M2POConfig(AlgorithmConfig):
 
     @property
     def runners_recompute_behavior_logp(self) -> bool:
-        """The runners score their own rounds in the learner's numerics (async mode: the
-        learners no longer hold the generating weights when a round arrives)."""
-        return bool(self.recompute_behavior_logp and self.async_rollouts)
+        """The training runners score their own rounds in the learner's numerics (async mode:
+        the learners no longer hold the generating weights when a round arrives; evaluation
+        runners never score)."""
+        return bool(self.recompute_behavior_logp and self.async_rollouts and not self.in_evaluation)
 
     @property
     def minibatch_size_per_learner(self) -> int:

@@ -100,6 +100,27 @@ def test_micro_batched_update_has_the_unsplit_gradient(tiny_model_dir, policy_lo
         assert _peek(m_split, "m2po/m2_after") == pytest.approx(_peek(m_whole, "m2po/m2_after"), rel=1e-5)
 
 
+def test_micro_batched_update_with_a_rollout_correction_has_the_unsplit_gradient(tiny_model_dir):
+    """The correction is computed once per minibatch and sliced per micro-batch, and the
+    global M2PO mask sees the tokens it keeps: split and whole give the same gradient, mask
+    and correction metrics."""
+    train = _batch(tiny_model_dir)
+    rng = np.random.default_rng(1)
+    gap = rng.standard_normal(train["behavior_logp"].shape).astype(np.float32)  # |delta| > log 2 drops some
+    train["engine_logp"] = np.where(train["response_mask"] > 0, train["behavior_logp"] + gap, 0.0).astype(np.float32)
+    results = {}
+    for micro in (None, 3):
+        cfg = _config(tiny_model_dir, m2_threshold=0.05, micro_batch_size=micro, recompute_behavior_logp=True,
+                      rollout_correction="icepop")
+        results[micro] = _update_grads(_learner(cfg), train)
+    (whole, m_whole), (split, m_split) = results[None], results[3]
+    _assert_same_gradient(split, whole)
+    assert 0 < _peek(m_whole, "correction/changed_frac") < 1
+    for key in ("correction/changed_frac", "correction/weight_mean", "correction/ess", "m2po/m2_after"):
+        assert _peek(m_split, key) == pytest.approx(_peek(m_whole, key), rel=1e-5), key
+    assert _peek(m_split, "m2po/masked_tokens") == _peek(m_whole, "m2po/masked_tokens") > 0
+
+
 def test_local_mask_scope_masks_each_micro_batch_on_its_own(tiny_model_dir):
     from m2po_rllib.losses import m2po_keep_mask
 

@@ -108,9 +108,14 @@ def rollout_correction(
             keys.CORRECTION_CHANGED_FRAC: torch.count_nonzero(changed) / n_valid.clamp_min(1),
             keys.CORRECTION_WEIGHT_MEAN: w.mean() if n else torch.tensor(math.nan),
             keys.CORRECTION_WEIGHT_MAX: w.max() if n else torch.tensor(math.nan),
-            keys.CORRECTION_ESS: (w.sum() ** 2 / (n * (w * w).sum())) if n else torch.tensor(math.nan),
+            keys.CORRECTION_ESS: _ess(w) if n else torch.tensor(math.nan),
         }
     return weight, keep, metrics
+
+
+def _ess(w: torch.Tensor) -> torch.Tensor:
+    """Effective sample size of importance weights as a fraction: (sum w)^2 / (n sum w^2)."""
+    return w.sum() ** 2 / (w.numel() * (w * w).sum())
 
 
 def mismatch_metrics(learner_logp, engine_logp, valid, large: float = None) -> dict[str, float]:
@@ -132,5 +137,5 @@ def mismatch_metrics(learner_logp, engine_logp, valid, large: float = None) -> d
         keys.LOGP_MISMATCH_MEAN: float(delta.abs().mean()),
         keys.LOGP_MISMATCH_KL: float((rho - 1 - delta).mean()),
         keys.LOGP_MISMATCH_LARGE_FRAC: float((delta.abs() > large).double().mean()),
-        keys.LOGP_MISMATCH_ESS: float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum())),
+        keys.LOGP_MISMATCH_ESS: float(_ess(rho)),
     }

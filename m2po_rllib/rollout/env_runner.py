@@ -26,7 +26,6 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import ray
-import torch
 
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
@@ -174,11 +173,16 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
         if self._seed is not None:
             kwargs.setdefault("seed", self._seed)
+        model_path = resolve_model_path(settings["model"])
         t0 = time.perf_counter()
-        engine = make_engine(settings["kind"], resolve_model_path(settings["model"]), **kwargs)
+        engine = make_engine(settings["kind"], model_path, **kwargs)
         self.metrics.log_value(keys.ENGINE_START_S, time.perf_counter() - t0, reduce="mean")
         try:  # the engine is this runner's only with its scorer, when it scores its rounds
-            scorer = self._make_scorer(engine) if self._scores_rounds else None
+            scorer = None
+            if self.config.runners_recompute_behavior_logp:
+                from m2po_rllib.rollout.scorer import BehaviorScorer
+
+                scorer = BehaviorScorer.beside(engine, self.config, model_path)
         except BaseException:
             engine.shutdown()
             raise
@@ -187,30 +191,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             weights, version = self._pending_weights
             if self._engine.update_weights(weights, version) and self._scorer is not None:
                 self._scorer.load(weights)
-
-    @property
-    def _scores_rounds(self) -> bool:
-        """This runner scores its training rounds in the learner's numerics (async mode with
-        `recompute_behavior_logp`; an evaluation runner never does)."""
-        return self.config.runners_recompute_behavior_logp and not self.config.in_evaluation
-
-    def _make_scorer(self, engine):
-        """The learner's numerics beside `engine` (sharing the HF engine's float32 model), on
-        the engine's device: the learner's kernels are those of its device type."""
-        from m2po_rllib.models.builtin import resolve_model_path
-        from m2po_rllib.rollout.scorer import BehaviorScorer
-
-        model_config = self.config.model_config
-        shared = getattr(engine, "model", None)
-        if shared is None or next(shared.parameters()).dtype != torch.float32:
-            shared = None
-        device = getattr(engine, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-        return BehaviorScorer(
-            resolve_model_path(model_config["model"]),
-            compute_dtype=getattr(torch, model_config["dtype"]),
-            temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
-            chunk_size=self.config.logp_chunk_size, model=shared, device=str(device),
-        )
 
     @property
     def weights_version(self) -> int:
@@ -322,7 +302,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             rows_prompt, rows_resp, rows_logp, rewards, max(engine.version, 0),
             sample_ids=range(first_sample_id, first_sample_id + n_rows),
         )
-        if self._scores_rounds:  # behaviour log-probs in the learner's numerics
+        if self._scorer is not None:  # behaviour log-probs in the learner's numerics
             t0 = time.perf_counter()
             batch["engine_logp"] = batch["behavior_logp"]
             batch["behavior_logp"] = self._scorer.score(batch)

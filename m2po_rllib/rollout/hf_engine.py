@@ -17,6 +17,23 @@ from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEng
 from m2po_rllib.truncation import truncate_logits_
 
 
+def load_weights_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copies `weights` (HF names; a subset is fine) into `model` in place, converting to its
+    dtype and device; unknown names and wrong shapes raise before anything is copied."""
+    state = model.state_dict()
+    unknown = sorted(set(weights) - set(state))
+    if unknown:
+        raise KeyError(f"{len(unknown)} weights are not in the model, e.g. {unknown[:5]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(state[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            state[name].copy_(torch.as_tensor(tensor))
+
+
 def sample_next(
     logits: torch.Tensor,
     sampling: SamplingConfig,
@@ -192,19 +209,7 @@ class HFEngine(GenerationEngine):
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._check_alive()
-        state = self.model.state_dict()
-        unknown = sorted(set(weights) - set(state))
-        if unknown:
-            raise KeyError(f"{len(unknown)} weights are not in the model, e.g. {unknown[:5]}")
-        for name, tensor in weights.items():
-            if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}; "
-                    f"the model's is {tuple(state[name].shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                state[name].copy_(tensor)
+        load_weights_into(self.model, weights)
 
     def shutdown(self) -> None:
         self.model = None

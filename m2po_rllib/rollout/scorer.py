@@ -20,10 +20,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from m2po_rllib.rollout.hf_engine import load_weights_into
 from m2po_rllib.torch.logp import response_logp
 from m2po_rllib.wire.batch import to_train_batch
-
-ROWS_PER_FORWARD = 32  # sequences per no-grad forward (bounds the activations)
 
 
 class BehaviorScorer:
@@ -40,10 +39,12 @@ class BehaviorScorer:
         chunk_size: int = 256,
         model: torch.nn.Module | None = None,
         device: str = "cpu",
+        rows_per_forward: int | None = None,
     ):
         """`model`: a float32 model that already serves the engine's weights (shared, never
         loaded here); None loads the checkpoint at `model_path` and takes every weight sync
-        through `load`."""
+        through `load`. `rows_per_forward`: sequences per no-grad forward, the learner's
+        `micro_batch_size` (None: the whole round at once, as the learner does)."""
         from transformers import AutoModelForCausalLM
 
         self.owns_model = model is None
@@ -54,32 +55,47 @@ class BehaviorScorer:
         elif next(model.parameters()).dtype != torch.float32:
             raise ValueError("a shared scoring model must hold float32 weights (the learner's master weights)")
         self.model = model
+        self.rows_per_forward = rows_per_forward
         self.kwargs = dict(
             temperature=float(temperature), chunk_size=int(chunk_size), with_entropy=False,
             compute_dtype=compute_dtype, top_k=int(top_k), top_p=float(top_p),
         )
 
+    @classmethod
+    def beside(cls, engine, config, model_path: str) -> "BehaviorScorer":
+        """The scorer for a runner's `engine` under an M2POConfig: the learner's compute
+        dtype, sampling settings, chunk and micro-batch sizes, on the engine's device (the
+        learner's kernels are those of its device type), sharing the HF engine's model when
+        it is float32."""
+        shared = getattr(engine, "model", None)
+        if shared is None or next(shared.parameters()).dtype != torch.float32:
+            shared = None
+        device = getattr(engine, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(
+            model_path,
+            compute_dtype=getattr(torch, config.model_config["dtype"]),
+            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+            chunk_size=config.logp_chunk_size, model=shared, device=str(device),
+            rows_per_forward=config.micro_batch_size,
+        )
+
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copies a weight sync (HF names, as the engines take them) into the scoring model."""
-        if not self.owns_model:
-            return
-        state = self.model.state_dict()
-        unknown = sorted(set(weights) - set(state))
-        if unknown:
-            raise KeyError(f"{len(unknown)} weights are not in the scoring model, e.g. {unknown[:5]}")
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                state[name].copy_(torch.as_tensor(tensor))
+        """Copies a weight sync (HF names, as the engines take them) into the scoring model;
+        a shared model already has it (the engine loaded it)."""
+        if self.owns_model:
+            load_weights_into(self.model, weights)
 
     @torch.no_grad()
     def score(self, rollout: dict[str, np.ndarray]) -> np.ndarray:
         """float32 `(B, R)` log-probs of `rollout`'s response tokens (0 on padding)."""
         train = to_train_batch(rollout, np.zeros(len(rollout["response_mask"]), np.float32))
         device = next(self.model.parameters()).device
+        n = len(train["response_mask"])
+        rows = self.rows_per_forward or max(1, n)
         out = []
-        for start in range(0, len(train["response_mask"]), ROWS_PER_FORWARD):
+        for start in range(0, n, rows):
             part = {
-                k: torch.as_tensor(np.ascontiguousarray(train[k][start : start + ROWS_PER_FORWARD])).to(device)
+                k: torch.as_tensor(np.ascontiguousarray(train[k][start : start + rows])).to(device)
                 for k in ("input_ids", "attention_mask", "response_mask")
             }
             logp, _ = response_logp(self.model, part, **self.kwargs)

@@ -118,7 +118,8 @@ class _MinibatchMetrics:
 class _Minibatch:
     """What the micro-batches of one optimizer minibatch share: the whole minibatch's token
     and sequence counts, the loss parameters (with tau_c if precomputed), the precomputed
-    M2PO mask (B, R) and the rows of the current micro-batch, the metrics so far."""
+    M2PO mask (B, R), the rollout correction (B, R), the rows of the current micro-batch,
+    the metrics so far."""
 
     params: dict
     mask_scope: str
@@ -126,6 +127,7 @@ class _Minibatch:
     n_seqs: float | None = None
     max_tokens: int | None = None
     keep: torch.Tensor | None = None
+    correction: tuple[torch.Tensor, torch.Tensor] | None = None  # a rollout correction's (weight, keep)
     rows: slice = dataclasses.field(default_factory=lambda: slice(None))
     metrics: _MinibatchMetrics = dataclasses.field(default_factory=_MinibatchMetrics)
 
@@ -269,24 +271,25 @@ class M2POTorchLearner(TorchLearner):
         if scope_global and world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         n_tokens, n_seqs = counts.tolist()
-        params = cfg.policy_loss_params()
-        keep = None
+        ctx = _Minibatch(
+            n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=cfg.policy_loss_params(),
+            mask_scope=cfg.mask_scope if len(slices) + padding == 1 else "local",
+        )
+        self._correct(cfg, mb, ctx)
         if len(slices) + padding > 1 and scope_global and cfg.policy_loss in ("m2po", "m2po_official"):
             logp = torch.as_tensor(self.response_logp(mb), device=self._device)  # (B, R)
             log_ratio = logp - mb["behavior_logp"].float()
             # the tokens the loss sees: finite ratios the rollout correction keeps
-            usable = valid & torch.isfinite(log_ratio) & self._correction(cfg, mb)[1]
+            usable = valid & torch.isfinite(log_ratio)
+            if ctx.correction is not None:
+                usable &= ctx.correction[1]
             log_ratio = torch.where(usable, log_ratio, 0.0)
+            threshold = ctx.params["m2_threshold"]
             if cfg.policy_loss == "m2po":
-                keep = m2po_keep_mask_global(log_ratio, usable, params["m2_threshold"], group)
+                ctx.keep = m2po_keep_mask_global(log_ratio, usable, threshold, group)
             else:
                 adv = mb["advantages"].float()[:, None].expand_as(log_ratio)
-                params["tau_c"] = m2po_official_tau(log_ratio, adv, usable, params["m2_threshold"], group)
-
-        ctx = _Minibatch(
-            n_tokens=n_tokens, n_seqs=n_seqs, max_tokens=valid.shape[1], params=params, keep=keep,
-            mask_scope=cfg.mask_scope if len(slices) + padding == 1 else "local",
-        )
+                ctx.params["tau_c"] = m2po_official_tau(log_ratio, adv, usable, threshold, group)
         total = torch.zeros((), device=self._device)
         ddp = hasattr(module, "no_sync")
         for i, sl in enumerate(slices):
@@ -327,8 +330,11 @@ class M2POTorchLearner(TorchLearner):
     ) -> torch.Tensor:
         """The policy loss of `batch`, a micro-batch of `minibatch` (whose counts, mask and
         tau_c it uses; its metrics are added to `minibatch.metrics`), or a whole minibatch."""
-        ctx = minibatch or _Minibatch(params=config.policy_loss_params(), mask_scope=config.mask_scope)
-        correction_weight, correction_keep, correction_metrics = self._correction(config, batch)
+        ctx = minibatch
+        if ctx is None:
+            ctx = _Minibatch(params=config.policy_loss_params(), mask_scope=config.mask_scope)
+            self._correct(config, batch, ctx)
+        weight, keep = (None, None) if ctx.correction is None else (c[ctx.rows] for c in ctx.correction)
         loss, metrics = compute_policy_loss(
             config.policy_loss,
             fwd_out[LOGP],
@@ -343,26 +349,26 @@ class M2POTorchLearner(TorchLearner):
             max_tokens=ctx.max_tokens,
             group=None if config.mask_scope == "global" else LOCAL,
             mask_scope=ctx.mask_scope,
-            correction_weight=correction_weight,
-            correction_keep=correction_keep,
+            correction_weight=weight,
+            correction_keep=keep,
             **ctx.params,
         )
-        metrics.update(correction_metrics)
         metrics[keys.LOSS] = loss.detach()
         ctx.metrics.add(metrics)
         return loss
 
     @staticmethod
-    def _correction(config, batch: dict[str, Any]):
-        """`(weight, keep, metrics)` of the configured rollout correction for `batch`'s rows
-        (per row, so a micro-batch's is the slice of its minibatch's); all-ones without one."""
-        valid = batch["response_mask"] > 0
-        if not config.rollout_correction:
-            return None, torch.ones_like(valid), {}
-        return rollout_correction(
-            config.rollout_correction, batch["behavior_logp"], batch["engine_logp"], valid,
-            low=config.rollout_correction_low, high=config.rollout_correction_high,
-        )
+    def _correct(config, batch: dict[str, Any], ctx: _Minibatch) -> None:
+        """The configured rollout correction of `batch` (a whole minibatch; per row, so each
+        micro-batch takes its slice): its (weight, keep) in `ctx.correction`, its metrics,
+        once, in `ctx.metrics`. Nothing without a correction."""
+        if config.rollout_correction:
+            weight, keep, metrics = rollout_correction(
+                config.rollout_correction, batch["behavior_logp"], batch["engine_logp"], batch["response_mask"] > 0,
+                low=config.rollout_correction_low, high=config.rollout_correction_high,
+            )
+            ctx.correction = (weight, keep)
+            ctx.metrics.add(metrics)
 
     @override(TorchLearner)
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):

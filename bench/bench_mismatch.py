@@ -5,7 +5,8 @@ Writes bench/results/mismatch.json.
 
 1. Mismatch (`mismatch`): the main job's workload (`builtin:arith-tiny`, 3-digit addition,
    32 prompts x 8 samples x up to 8 tokens, temperature 1) sampled by each engine (HF, vLLM-CPU)
-   in float32 and in bfloat16 at the initial weights; the learner's float32 log-probs of the
+   in float32, in float32 with truncated sampling (top_p=0.9, top_k=20, which the learner
+   replays), and in bfloat16, at the initial weights; the learner's float32 log-probs of the
    same tokens (`m2po_rllib.torch.logp`, the learner's function) against the engine's:
    |delta| mean / max, KL(engine || learner) (k3), the fraction with |delta| > 0.1, the ESS
    of the ratios (`mismatch_metrics`), and the engine's tokens/s.
@@ -50,7 +51,12 @@ COST_VARIANTS = {
 }
 
 
-def mismatch(kind: str, dtype: str, rounds: int) -> dict:
+TRUNCATED = {"top_p": 0.9, "top_k": 20}
+MISMATCH_VARIANTS = {"float32": ("float32", {}), "float32_truncated": ("float32", TRUNCATED), "bfloat16": ("bfloat16", {})}
+
+
+def mismatch(kind: str, variant: str, rounds: int) -> dict:
+    dtype, truncation = MISMATCH_VARIANTS[variant]
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -68,14 +74,14 @@ def mismatch(kind: str, dtype: str, rounds: int) -> dict:
     try:
         engine = make_engine(kind, path, dtype=dtype, **kwargs)
     except Exception as e:  # e.g. no bf16 kernels for this CPU
-        return {"engine": kind, "dtype": dtype, "error": f"{type(e).__name__}: {e}"[:300]}
+        return {"engine": kind, "variant": variant, "error": f"{type(e).__name__}: {e}"[:300]}
     env = make_text_env("m2po/Arithmetic-v0", ENV_CONFIG, tokenizer=engine.tokenizer)
     batches, gen_s, tokens = [], 0.0, 0
     try:
         for r in range(rounds):
             prompts = [env.reset(seed=1000 * r + i)[0]["prompt_token_ids"].tolist() for i in range(PROMPTS)]
             t0 = time.perf_counter()
-            groups = engine.generate(prompts, SamplingConfig(n=GROUP, max_tokens=MAX_TOKENS, seed=r))
+            groups = engine.generate(prompts, SamplingConfig(n=GROUP, max_tokens=MAX_TOKENS, seed=r, **truncation))
             gen_s += time.perf_counter() - t0
             rows = [(p, c) for p, g in zip(prompts, groups) for c in g]
             tokens += sum(len(c.token_ids) for _, c in rows)
@@ -87,11 +93,12 @@ def mismatch(kind: str, dtype: str, rounds: int) -> dict:
     train = {k: torch.as_tensor(v) for k, v in to_train_batch(rollout, rollout["rewards"]).items()}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        learner = response_logp(model, train, 1.0, with_entropy=False)[0].numpy()
+        learner = response_logp(model, train, 1.0, with_entropy=False, **truncation)[0].numpy()
     stats = mismatch_metrics(learner, rollout["behavior_logp"], rollout["response_mask"])
     delta = np.abs(learner - rollout["behavior_logp"])[rollout["response_mask"] > 0]
     return {
-        "engine": kind, "dtype": dtype, "tokens": int(delta.size), "tokens_per_s": tokens / gen_s,
+        "engine": kind, "variant": variant, "dtype": dtype, **truncation, "tokens": int(delta.size),
+        "tokens_per_s": tokens / gen_s,
         "abs_delta_p99": float(np.quantile(delta, 0.99)),
         **{k.split("/", 1)[1]: v for k, v in stats.items()},
     }
@@ -185,13 +192,13 @@ def main() -> None:
     if args.only in (None, "mismatch"):
         results["mismatch"] = []
         for kind in args.engines.split(","):
-            for dtype in ("float32", "bfloat16"):
-                r = child(f"mismatch:{kind}:{dtype}")
+            for variant in MISMATCH_VARIANTS:
+                r = child(f"mismatch:{kind}:{variant}")
                 results["mismatch"].append(r)
                 if "error" in r:
-                    print(f"{kind:5s} {dtype:9s} unavailable: {r['error'][-200:]}")
+                    print(f"{kind:5s} {variant:17s} unavailable: {r['error'][-200:]}")
                 else:
-                    print(f"{kind:5s} {dtype:9s} |d| mean {r['logp_mismatch_mean']:.2e} p99 {r['abs_delta_p99']:.2e} "
+                    print(f"{kind:5s} {variant:17s} |d| mean {r['logp_mismatch_mean']:.2e} p99 {r['abs_delta_p99']:.2e} "
                           f"max {r['logp_mismatch_max']:.2e}  KL {r['logp_mismatch_kl']:.2e}  "
                           f">0.1 {r['logp_mismatch_large_frac']:.4f}  ESS {r['logp_mismatch_ess']:.5f}  "
                           f"{r['tokens_per_s']:.0f} tok/s")

@@ -144,6 +144,9 @@ def measure(model, args, path: str) -> dict:
     _sync(args.device)
     _peak_bytes_reset(args.device)
     base = _current_bytes(args.device)
+    # On CPU the kernel updates VmHWM lazily (at unmaps), so a reading can trail the RSS it
+    # has already seen: the peak is at least every RSS reading taken, the first one included.
+    seen = base
     times, tokens, response_tokens = [], 0, 0
     for step in range(args.steps):
         batch = make_minibatch(args, model.config.vocab_size, seed=1 + step)
@@ -154,7 +157,8 @@ def measure(model, args, path: str) -> dict:
         times.append(time.perf_counter() - t0)
         tokens += int(batch["attention_mask"].sum())
         response_tokens += int(batch["response_mask"].sum())
-    peak = _peak_bytes(args.device)
+        seen = max(seen, _current_bytes(args.device))
+    peak = max(_peak_bytes(args.device), seen)
     del optimizer
     return {
         "path": path, "peak_memory_gib": peak / 2**30, "memory_before_updates_gib": base / 2**30,

@@ -23,6 +23,7 @@ from ray.rllib.utils.annotations import override
 from m2po_rllib import config_io, validation
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.losses import PAPER_M2_THRESHOLD, policy_loss_params
+from m2po_rllib.rollout.staleness import AUTO, DEFAULT_CEILING, DEFAULT_HALF_LIFE
 from m2po_rllib.torch.fsdp import FSDP
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
 
@@ -102,6 +103,16 @@ class M2POConfig(AlgorithmConfig):
         # round in flight implies). Off: the paper's exact stale-k protocol (`staleness`).
         self.async_rollouts = False
         self.max_staleness = None
+        # max_staleness="auto" (rollout/staleness.py): the bound follows the measured second
+        # moment of the trained tokens' log-ratios by age, kept where M2 at the oldest admitted
+        # age is `staleness_target_m2` (None: tau, `m2_threshold`: data M2PO need barely
+        # mask), within [`staleness_floor` (None: the smallest bound async mode can keep,
+        # `min_max_staleness`), `staleness_ceiling`], forgetting measurements with a
+        # half-life of `staleness_half_life` optimizer updates.
+        self.staleness_target_m2 = None
+        self.staleness_floor = None
+        self.staleness_ceiling = DEFAULT_CEILING
+        self.staleness_half_life = DEFAULT_HALF_LIFE
         # Training steps between weight broadcasts to the EnvRunners.
         self.broadcast_interval = 1
         # Sequences per forward/backward on each learner, with gradient accumulation over
@@ -143,6 +154,10 @@ class M2POConfig(AlgorithmConfig):
         self.top_k = 0
         self.max_new_tokens = 64
         self.stop = []
+        # Emulated long-tailed generation time (experiments on machines where generation is
+        # fast and even): each round also waits a log-normal time, {"median_s": m, "sigma": s},
+        # drawn from the round's seed; None: no wait.
+        self.round_delay = None
 
         # -- evaluation() -----------------------------------------------------------------
         # Held-out evaluation on the training runners (greedy; mean@k with eval_samples > 1).
@@ -175,6 +190,10 @@ class M2POConfig(AlgorithmConfig):
         logp_mismatch_interval=NotProvided,
         async_rollouts=NotProvided,
         max_staleness=NotProvided,
+        staleness_target_m2=NotProvided,
+        staleness_floor=NotProvided,
+        staleness_ceiling=NotProvided,
+        staleness_half_life=NotProvided,
         broadcast_interval=NotProvided,
         micro_batch_size=NotProvided,
         logp_chunk_size=NotProvided,
@@ -204,6 +223,10 @@ class M2POConfig(AlgorithmConfig):
             logp_mismatch_interval=logp_mismatch_interval,
             async_rollouts=async_rollouts,
             max_staleness=max_staleness,
+            staleness_target_m2=staleness_target_m2,
+            staleness_floor=staleness_floor,
+            staleness_ceiling=staleness_ceiling,
+            staleness_half_life=staleness_half_life,
             broadcast_interval=broadcast_interval,
             micro_batch_size=micro_batch_size,
             logp_chunk_size=logp_chunk_size,
@@ -224,6 +247,7 @@ class M2POConfig(AlgorithmConfig):
         top_k=NotProvided,
         max_new_tokens=NotProvided,
         stop=NotProvided,
+        round_delay=NotProvided,
         **kwargs,
     ) -> Self:
         super().env_runners(**kwargs)
@@ -235,6 +259,7 @@ class M2POConfig(AlgorithmConfig):
             top_k=top_k,
             max_new_tokens=max_new_tokens,
             stop=stop,
+            round_delay=round_delay,
         )
         return self
 
@@ -355,6 +380,18 @@ class M2POConfig(AlgorithmConfig):
         previous step trains is trained up to (broadcast_interval + 1) x updates_per_step - 1
         updates after the weights that made it."""
         return (self.broadcast_interval + 1) * self.updates_per_step - 1
+
+    @property
+    def auto_staleness(self) -> bool:
+        """The async bound follows the measured M2 (`max_staleness="auto"`)."""
+        return self.max_staleness == AUTO
+
+    def staleness_controller_settings(self) -> dict[str, Any]:
+        """`StalenessController`'s arguments, the defaults resolved."""
+        floor = self.min_max_staleness if self.staleness_floor is None else self.staleness_floor
+        target = self.m2_threshold if self.staleness_target_m2 is None else self.staleness_target_m2
+        return {"target_m2": float(target), "floor": int(floor), "ceiling": int(self.staleness_ceiling),
+                "half_life": float(self.staleness_half_life)}
 
     @staticmethod
     def _raise(problems: list[validation.Problem]) -> None:

@@ -61,6 +61,7 @@ TRAINED_MAX = "staleness/trained_max"
 WEIGHTS_KEY = "_rl_module_state_after_update"  # RLlib's (IMPALA's) key for the state in a result
 UPDATE_SECONDS_KEY = "_update_seconds"
 VERSION_KEY = "_policy_version"  # the learner's policy version after the update
+M2_BY_AGE_KEY = "_m2_by_age"  # {age: (sum of squared log-ratios, tokens)} of the update's tokens
 
 # -- EnvRunner (m2po_rllib.rollout.env_runner) --------------------------------------------
 REWARD_MEAN = "rollout/reward_mean"
@@ -85,6 +86,10 @@ FILLING = "staleness/filling"  # sync: the stale-k queue is still filling (nothi
 QUEUE_LEN = "staleness/queue_len"
 DROPPED_ROWS = "staleness/dropped_rows"
 ROUNDS_IN_FLIGHT = "async/rounds_in_flight"
+ROUNDS_ADMITTED = "async/rounds_admitted"  # rounds requested so far (re-requests included)
+ROUNDS_WAITING = "async/rounds_waiting"  # runner slots the bound held back at the last request
+STALENESS_BOUND = "staleness/bound"  # async: the max_staleness in force (moves with "auto")
+STALENESS_BOUND_CHANGES = "staleness/bound_changes"  # "auto": times the bound moved so far
 LEARNER_IDLE_FRAC = "async/learner_idle_frac"
 RUNNER_IDLE_FRAC = "async/runner_idle_frac"
 UPDATES_PER_S = "learner/updates_per_s"
@@ -105,6 +110,12 @@ BEHAVIOR_LOGP_S = "rollout/behavior_logp_s"  # a runner's seconds recomputing be
 RUNNERS = ("env_runners",)
 LEARNER = ("learners", "default_policy")
 EVALUATION = ("evaluation", "env_runners")
+
+
+def m2_at_age(bucket: int) -> str:
+    """'auto' staleness: the measured M2 of the tokens aged [bucket, 2 x bucket) (0: age 0),
+    exponentially forgotten (rollout/staleness.py)."""
+    return f"staleness/m2_age_{bucket}"
 
 
 def runner(key: str) -> tuple[str, ...]:

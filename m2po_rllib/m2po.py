@@ -300,16 +300,23 @@ class M2PO(Algorithm):
 
     def _take_update_results(self, results: list[dict]) -> bool:
         """Learner results: their metrics, the policy version they report, the weights the
-        first learner returned (the next requests carry them), and how long they were busy."""
+        first learner returned (the next requests carry them), how long they were busy, and
+        the trained tokens' M2 by age (the staleness bound follows it with "auto")."""
         if not results:
             return False
         learners = max(1, self.config.num_learners)
+        m2_by_age: dict[int, list[float]] = {}  # the learners' shares, added up
         for result in results:
             weights = result.pop(keys.WEIGHTS_KEY, None)
             self._learner_version = max(self._learner_version, result.pop(keys.VERSION_KEY))
             self._iter.learner_busy_s += result.pop(keys.UPDATE_SECONDS_KEY) / learners
+            for age, (sum_sq, tokens) in result.pop(keys.M2_BY_AGE_KEY, {}).items():
+                acc = m2_by_age.setdefault(age, [0.0, 0.0])
+                acc[0] += sum_sq
+                acc[1] += tokens
             if weights is not None and weights.version > self._weights.version:
                 self._weights = weights
+        self._sampler.observe_m2({a: tuple(v) for a, v in m2_by_age.items()}, self._learner_version)
         self._pending_results -= len(results)
         self._iter.updates += len(results) / learners * self.config.updates_per_step
         self.metrics.aggregate(results, key=LEARNER_RESULTS)

@@ -7,11 +7,13 @@ traceback on e.g. `lr="abc"`; shapes only once every value is in range) and rais
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
 from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
 from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS
+from m2po_rllib.rollout.staleness import AUTO, DEFAULT_CEILING, DEFAULT_HALF_LIFE
 from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
 
 Problem = tuple[tuple[str, ...], str]
@@ -30,11 +32,12 @@ _TYPES = {
          "num_env_runners", "num_learners", "broadcast_interval", "logp_chunk_size", "top_k"),
         _INT,
     ),
-    **dict.fromkeys(("m2_threshold", "temperature", "top_p", "weight_decay"), _NUMBER),
+    **dict.fromkeys(("m2_threshold", "temperature", "top_p", "weight_decay", "staleness_half_life"), _NUMBER),
+    "staleness_ceiling": _INT,
 }
 _OPTIONAL = {
     "eps_low": _NUMBER, "eps_high": _NUMBER, "evaluation_interval": _INT, "seed": _INT,
-    "micro_batch_size": _INT, "max_staleness": _INT,
+    "micro_batch_size": _INT, "staleness_floor": _INT, "staleness_target_m2": _NUMBER,
     "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
 }
 _BOOLS = ("recompute_behavior_logp", "async_rollouts")
@@ -57,6 +60,12 @@ def check_types(config) -> list[Problem]:
         for name, kind in [*_TYPES.items(), *_OPTIONAL.items()]
         if not _is(getattr(config, name), kind) and not (name in _OPTIONAL and getattr(config, name) is None)
     ]
+    if not (config.max_staleness is None or config.max_staleness == AUTO or _is(config.max_staleness, _INT)):
+        out.append(problem(
+            "max_staleness",
+            f"`max_staleness` ({config.max_staleness!r}) must be an int (the bound, in optimizer updates), "
+            f"{AUTO!r} (the bound follows the measured second moment) or None",
+        ))
     if not (_is(config.lr, _NUMBER) or isinstance(config.lr, (list, tuple))):
         out.append(problem("lr", f"`lr` ({config.lr!r}) must be a number (or an RLlib schedule, [[step, lr], ...])"))
     for name in _BOOLS:
@@ -183,6 +192,17 @@ def check_sampling(config) -> list[Problem]:
         out.append(problem("top_p", f"`top_p` ({config.top_p}) must be in (0, 1]; 1 keeps every token"))
     if config.top_k < -1:
         out.append(problem("top_k", f"`top_k` ({config.top_k}) must be >= 1 tokens kept, or 0 (or -1) to keep every token"))
+    delay = config.round_delay
+    if delay is not None and not (
+        isinstance(delay, dict) and set(delay) <= {"median_s", "sigma"} and "median_s" in delay
+        and all(_is(v, _NUMBER) and math.isfinite(v) for v in delay.values())
+        and delay["median_s"] > 0 and delay.get("sigma", 0) >= 0
+    ):
+        out.append(problem(
+            "round_delay",
+            f"`round_delay` ({delay!r}) must be None or {{'median_s': m > 0, 'sigma': s >= 0}}: each round "
+            "waits a log-normal time (median m seconds, log-scale s)",
+        ))
     return out
 
 
@@ -291,7 +311,7 @@ def check_batch_shapes(config) -> list[Problem]:
 def check_rollout_mode(config) -> list[Problem]:
     """`async_rollouts` and what it needs; `max_staleness` only with it."""
     if not config.async_rollouts:
-        out = []
+        out = _check_auto_only(config)
         if config.recompute_behavior_logp and config.broadcast_interval > 1:
             out.append(problem(
                 ("recompute_behavior_logp", "broadcast_interval"),
@@ -309,7 +329,7 @@ def check_rollout_mode(config) -> list[Problem]:
         )]
     if config.in_evaluation:  # evaluation has its own runners
         return []
-    out = []
+    out = _check_auto_only(config)
     if config.num_env_runners < 1:
         out.append(problem(
             ("async_rollouts", "num_env_runners"),
@@ -326,8 +346,11 @@ def check_rollout_mode(config) -> list[Problem]:
         out.append(problem(
             "max_staleness",
             f"`max_staleness` ({config.max_staleness}) must be an int with async_rollouts: the bound, "
-            f"in optimizer updates, on the age of every trained token (>= {config.min_max_staleness})",
+            f"in optimizer updates, on the age of every trained token (>= {config.min_max_staleness}), "
+            f"or {AUTO!r} to steer it by the measured second moment",
         ))
+    elif config.max_staleness == AUTO:
+        out += _check_auto_staleness(config)
     elif config.max_staleness < config.min_max_staleness:
         out.append(problem(
             ("max_staleness", "broadcast_interval"),
@@ -337,6 +360,58 @@ def check_rollout_mode(config) -> list[Problem]:
             f"already that old; raise max_staleness, or use async_rollouts=False for on-policy data",
         ))
     return out
+
+
+_AUTO_ONLY = {  # the settings that steer "auto", and their defaults
+    "staleness_target_m2": None, "staleness_floor": None, "staleness_ceiling": DEFAULT_CEILING,
+    "staleness_half_life": DEFAULT_HALF_LIFE,
+}
+
+
+def _check_auto_staleness(config) -> list[Problem]:
+    """`max_staleness="auto"`: its target, floor, ceiling and half-life."""
+    out = []
+    target = config.staleness_target_m2
+    if target is not None and not (0 < target < float("inf")):
+        out.append(problem(
+            "staleness_target_m2",
+            f"`staleness_target_m2` ({target}) must be a positive second moment of log-ratios (e.g. tau, "
+            f"{config.m2_threshold}); None uses m2_threshold",
+        ))
+    floor = config.staleness_controller_settings()["floor"]
+    if floor < config.min_max_staleness:
+        out.append(problem(
+            ("staleness_floor", "broadcast_interval"),
+            f"`staleness_floor` ({floor}) must be >= {config.min_max_staleness}, the smallest bound async "
+            f"mode can keep ((broadcast_interval + 1) x updates_per_step - 1); raise it, or leave it None",
+        ))
+    if config.staleness_ceiling < floor:
+        out.append(problem(
+            ("staleness_ceiling", "staleness_floor"),
+            f"`staleness_ceiling` ({config.staleness_ceiling}) must be >= the floor ({floor}): the bound moves "
+            "between them; raise the ceiling",
+        ))
+    if not config.staleness_half_life > 0:
+        out.append(problem(
+            "staleness_half_life",
+            f"`staleness_half_life` ({config.staleness_half_life}) must be > 0 optimizer updates: how fast old "
+            "measurements of M2 are forgotten (default 32)",
+        ))
+    return out
+
+
+def _check_auto_only(config) -> list[Problem]:
+    if config.max_staleness == AUTO:
+        return []
+    return [
+        problem(
+            (name, "max_staleness"),
+            f"`{name}` ({getattr(config, name)}) steers max_staleness='auto', but max_staleness is "
+            f"{config.max_staleness!r}: set max_staleness='auto', or leave {name} at its default ({default})",
+        )
+        for name, default in _AUTO_ONLY.items()
+        if getattr(config, name) != default
+    ]
 
 
 def notices(config) -> list[str]:

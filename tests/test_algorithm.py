@@ -67,6 +67,12 @@ def tiny_config(model_dir: str, **training) -> M2POConfig:
          {"rollout_correction_high", "rollout_correction"}),
         (dict(recompute_behavior_logp=True, broadcast_interval=2), "`broadcast_interval` is 2: set broadcast_interval=1",
          {"recompute_behavior_logp", "broadcast_interval"}),
+        (dict(max_staleness="fast"), "`max_staleness` ('fast') must be an int (the bound, in optimizer updates), 'auto'",
+         {"max_staleness"}),
+        (dict(max_staleness="auto"), "`max_staleness` (auto) bounds asynchronous rollouts, which are off; set "
+         "async_rollouts=True", {"max_staleness", "async_rollouts"}),
+        (dict(staleness_floor=4), "`staleness_floor` (4) steers max_staleness='auto', but max_staleness is None: set "
+         "max_staleness='auto'", {"staleness_floor", "max_staleness"}),
     ],
 )
 def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle, at_fault):
@@ -74,6 +80,27 @@ def test_validate_names_setting_value_and_fix(tiny_model_dir, training, needle, 
     `settings` name the settings at fault (what the lab blames, without reading the text)."""
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_model_dir, **training).validate()
+    assert needle in str(err.value)
+    assert set(err.value.settings) == at_fault
+
+
+@pytest.mark.parametrize(
+    "settings, needle, at_fault",
+    [
+        (dict(staleness_floor=1), "`staleness_floor` (1) must be >= 3, the smallest bound", {"staleness_floor", "broadcast_interval"}),
+        (dict(staleness_ceiling=2), "`staleness_ceiling` (2) must be >= the floor (3)", {"staleness_ceiling", "staleness_floor"}),
+        (dict(staleness_target_m2=0.0), "`staleness_target_m2` (0.0) must be a positive second moment", {"staleness_target_m2"}),
+        (dict(staleness_half_life=0), "`staleness_half_life` (0) must be > 0 optimizer updates", {"staleness_half_life"}),
+        (dict(round_delay={"median_s": 1, "sigma": -1}), "`round_delay` ({'median_s': 1, 'sigma': -1}) must be None or",
+         {"round_delay"}),
+    ],
+)
+def test_validate_auto_staleness_and_round_delay(tiny_model_dir, settings, needle, at_fault):
+    delay = settings.pop("round_delay", None)
+    cfg = tiny_config(tiny_model_dir, async_rollouts=True, max_staleness="auto", logp_mismatch_interval=0, **settings)
+    cfg = cfg.env_runners(num_env_runners=1, round_delay=delay)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
     assert needle in str(err.value)
     assert set(err.value.settings) == at_fault
 

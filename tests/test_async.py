@@ -1,6 +1,7 @@
 """Asynchronous rollouts: the admission rule (pure bookkeeping, no Ray), then the real
 algorithm with remote runners: the staleness bound under random delays, exactly-once
-training across a checkpoint taken with rounds in flight, and a runner killed mid-round."""
+training across a checkpoint taken with rounds in flight (the bound steered by the measured
+M2, its controller restored), and a runner killed mid-round."""
 
 from __future__ import annotations
 
@@ -121,19 +122,6 @@ def _async_config(model_dir, **training):
     )
 
 
-def _delayed_runner_cls():
-    """An LLMEnvRunner that sleeps a random time before each round (defined in a function,
-    so that Ray ships the class itself to the runner actors)."""
-    from m2po_rllib.rollout.env_runner import LLMEnvRunner
-
-    class DelayedRunner(LLMEnvRunner):
-        def sample(self, **kwargs):
-            time.sleep(random.Random(kwargs.get("seed", 0)).uniform(0.0, 0.6))
-            return super().sample(**kwargs)
-
-    return DelayedRunner
-
-
 def _record_trained_ids(algo) -> list:
     """Wraps the learner group's update to record the sample ids of every trained batch."""
     seen = []
@@ -152,19 +140,22 @@ def test_async_bound_holds_with_random_runner_delays(ray_session, tiny_model_dir
     # The runners also score their rounds in the learner's numerics (a bf16 engine beside
     # an fp32 learner) and the learner corrects the gap (IcePop).
     cfg = _async_config(tiny_model_dir, max_staleness=5, recompute_behavior_logp=True, rollout_correction="icepop")
-    cfg = cfg.env_runners(env_runner_cls=_delayed_runner_cls(), engine_kwargs={"dtype": "bfloat16"})
+    # each round also waits a log-normal time (median 0.2 s): runners answer out of step
+    cfg = cfg.env_runners(round_delay={"median_s": 0.2, "sigma": 0.8}, engine_kwargs={"dtype": "bfloat16"})
     algo = cfg.build_algo()
     try:
         seen = _record_trained_ids(algo)
-        ages, gaps = [], []
+        ages, gaps, generate_s = [], [], []
         for _ in range(8):
             result = algo.train()
             ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
+            generate_s.append(result["env_runners"]["rollout/generate_s"])
             assert result["staleness/dropped_rows"] == 0
             if "correction/weight_mean" in result["learners"]["default_policy"]:
                 gaps.append(result["rollout/logp_mismatch_max"])
         assert gaps and min(gaps) > 1e-3  # the bf16 engine's gap, measured on every trained step
         assert max(ages) <= 5 and max(ages) > 1  # within the bound, and stale (on-policy: 1)
+        assert np.median(generate_s) > 0.1  # the rounds waited (generating 4 tokens takes ~10 ms)
         ids = np.concatenate(seen)
         assert sorted(ids.tolist()) == list(range(len(ids)))  # every sample trained once
         assert algo.policy_version == 16
@@ -176,14 +167,19 @@ def test_async_bound_holds_with_random_runner_delays(ray_session, tiny_model_dir
 def test_async_checkpoint_with_rounds_in_flight_loses_nothing(ray_session, tiny_model_dir, tmp_path):
     from m2po_rllib import M2PO
 
-    algo = _async_config(tiny_model_dir).build_algo()
+    # The bound is steered by the measured M2 (max_staleness="auto"): its controller's
+    # measurements are training state too.
+    algo = _async_config(tiny_model_dir, max_staleness="auto", staleness_ceiling=6).build_algo()
     try:
         before = _record_trained_ids(algo)
         for _ in range(3):
-            algo.train()
+            result = algo.train()
+        assert 3 <= result["staleness/bound"] <= 6 and result["async/rounds_admitted"] >= 6
         assert algo.sampler.num_in_flight() > 0  # the checkpoint is taken mid-flight
         ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
         assert algo.sampler.num_in_flight() == 0 and algo.sampler.admission.arrived  # drained into the buffer
+        controller = algo.sampler.staleness.get_state()
+        assert controller["stats"] and controller["version"] == 6  # what the learner measured so far
         before = list(before)  # what was trained up to the checkpoint
         uninterrupted = _record_trained_ids(algo)
         for _ in range(3):
@@ -192,6 +188,8 @@ def test_async_checkpoint_with_rounds_in_flight_loses_nothing(ray_session, tiny_
         algo.stop()
     resumed = M2PO.from_checkpoint(ckpt)
     try:
+        assert resumed.sampler.staleness.get_state() == controller
+        assert resumed.sampler.admission.max_staleness == controller["bound"]
         after = _record_trained_ids(resumed)
         for _ in range(3):
             resumed.train()

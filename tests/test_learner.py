@@ -121,6 +121,44 @@ def test_micro_batched_update_with_a_rollout_correction_has_the_unsplit_gradient
     assert _peek(m_split, "m2po/masked_tokens") == _peek(m_whole, "m2po/masked_tokens") > 0
 
 
+def test_an_update_reports_squared_log_ratios_by_age_over_the_tokens_the_loss_sees(tiny_model_dir):
+    """What `max_staleness="auto"` steers by: per age (learner version - row version), the sum
+    of squared log-ratios and the token count, over the tokens the rollout correction keeps,
+    micro-batched as whole, each row counted once."""
+    from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+    from m2po_rllib.keys import M2_BY_AGE_KEY
+    from m2po_rllib.losses.correction import rollout_correction
+
+    train = _batch(tiny_model_dir)
+    rng = np.random.default_rng(2)
+    gap = rng.standard_normal(train["behavior_logp"].shape).astype(np.float32)
+    train["engine_logp"] = np.where(train["response_mask"] > 0, train["behavior_logp"] + gap, 0.0).astype(np.float32)
+    train["policy_version"] = np.array([5, 5, 4, 4, 4, 2, 2, 0])
+    cfg = _config(tiny_model_dir, micro_batch_size=3, recompute_behavior_logp=True, rollout_correction="icepop")
+    learner = _learner(cfg)
+    learner.module["default_policy"].unwrapped().policy_version = 5
+    log_ratio = torch.as_tensor(learner.response_logp(train)) - torch.as_tensor(train["behavior_logp"])
+    valid = torch.as_tensor(train["response_mask"]) > 0
+    _, keep, _ = rollout_correction("icepop", torch.as_tensor(train["behavior_logp"]),
+                                    torch.as_tensor(train["engine_logp"]), valid)
+    usable = valid & keep
+    assert 0 < int(usable.sum()) < int(valid.sum())  # the correction drops some tokens
+    expected = {}
+    for age in (0, 1, 3, 5):
+        rows = torch.as_tensor(5 - train["policy_version"] == age)
+        u = usable & rows[:, None]
+        expected[age] = (float((log_ratio[u].double() ** 2).sum()), float(u.sum()))
+    # two epochs: the second pass over a row sees weights already fitted to it and is not counted
+    result = learner.update(batch=MultiAgentBatch({"default_policy": SampleBatch(dict(train))}, env_steps=8),
+                            minibatch_size=8, num_epochs=2)
+    assert learner.policy_version == 7
+    got = result[M2_BY_AGE_KEY]
+    assert got.keys() == expected.keys()
+    for age, (sum_sq, tokens) in expected.items():
+        assert got[age][1] == tokens and got[age][0] == pytest.approx(sum_sq, rel=1e-5), age
+
+
 def test_local_mask_scope_masks_each_micro_batch_on_its_own(tiny_model_dir):
     from m2po_rllib.losses import m2po_keep_mask
 

@@ -18,6 +18,11 @@ most `max_staleness`; since `b` only grows, waiting always makes a round admissi
 be older when its step is dispatched (it cannot, short of a bug or a hand-made state),
 the round is not trained: it is counted in `dropped_rows` and requested again.
 
+A moving bound (`max_staleness="auto"`, staleness.py) changes `max_staleness` between
+requests; each round keeps the bound it was admitted under (`admitted_bound`), and that is
+the one checked when its step is dispatched, so lowering the bound never drops a round
+already admitted.
+
 Faults. The rounds of a runner that died are requested again (with the current weights,
 from any healthy runner); the same round index keeps its prompts and sample ids, so
 nothing is lost or trained twice. Checkpoints: `get_state` after draining every in-flight
@@ -43,7 +48,9 @@ class AsyncRollouts:
         self.reissue: list[int] = []  # rounds to request again (lost or dropped)
         self.in_flight: dict[int, collections.deque[int]] = {}  # runner id -> rounds, in send order
         self.arrived: dict[int, dict[str, np.ndarray]] = {}
+        self.admitted_bound: dict[int, int] = {}  # round -> the bound it was admitted under
         self.dropped_rows = 0
+        self.admitted = 0  # rounds requested so far (re-requests included)
 
     # -- admission ----------------------------------------------------------------------
     def step_of(self, round_index: int) -> int:
@@ -69,6 +76,8 @@ class AsyncRollouts:
             self.next_round += 1
         else:
             raise ValueError(f"round {round_index} was neither due nor lost (next: {self.next_round})")
+        self.admitted_bound[round_index] = self.max_staleness
+        self.admitted += 1
         self.in_flight.setdefault(runner_id, collections.deque()).append(round_index)
 
     def num_in_flight(self, runner_id: int | None = None) -> int:
@@ -109,13 +118,18 @@ class AsyncRollouts:
         if not self.step_ready():
             return None
         last = next_version + self.updates_per_step - 1
-        stale = [n for n in self.step_rounds() if last - int(self.arrived[n]["policy_version"].min()) > self.max_staleness]
+        stale = [
+            n for n in self.step_rounds()
+            if last - int(self.arrived[n]["policy_version"].min()) > self.admitted_bound.get(n, self.max_staleness)
+        ]
         for n in stale:
             self.dropped_rows += len(self.arrived.pop(n)["sample_id"])
             self.reissue.append(n)
         if stale:
             return None
         batches = [self.arrived.pop(n) for n in self.step_rounds()]
+        for n in self.step_rounds():
+            self.admitted_bound.pop(n, None)
         self.next_step += 1
         return batches
 
@@ -127,7 +141,9 @@ class AsyncRollouts:
             "next_step": self.next_step,
             "reissue": sorted(self.reissue + [n for q in self.in_flight.values() for n in q]),
             "arrived": dict(self.arrived),
+            "admitted_bound": {n: b for n, b in self.admitted_bound.items() if n in self.arrived},
             "dropped_rows": self.dropped_rows,
+            "admitted": self.admitted,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -136,4 +152,6 @@ class AsyncRollouts:
         self.reissue = list(state["reissue"])
         self.in_flight = {}
         self.arrived = dict(state["arrived"])
+        self.admitted_bound = dict(state.get("admitted_bound", {}))
         self.dropped_rows = int(state["dropped_rows"])
+        self.admitted = int(state.get("admitted", 0))

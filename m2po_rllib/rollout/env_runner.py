@@ -58,6 +58,13 @@ def engine_settings(config) -> dict[str, Any]:
     }
 
 
+def round_delay_s(delay: dict, seed: int, stream: int) -> float:
+    """`round_delay`'s wait for the round seeded `seed` on `stream`: log-normal with median
+    `median_s` and log-scale `sigma`."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, stream, 2]))
+    return float(delay["median_s"]) * float(np.exp(float(delay.get("sigma", 0.0)) * rng.standard_normal()))
+
+
 def round_seed(base_seed: int | None, round_index: int) -> int:
     """The seed of sampling round `round_index`: picks its prompts and seeds its sampler."""
     return (base_seed or 0) * 1_000_003 + round_index
@@ -284,6 +291,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         base = int(np.random.SeedSequence([seed, stream, 1]).generate_state(1)[0] >> 1)
         t0 = time.perf_counter()
         groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
+        if cfg.round_delay:  # emulated long-tailed generation time
+            time.sleep(round_delay_s(cfg.round_delay, seed, stream))
         t_gen = time.perf_counter() - t0
 
         t0 = time.perf_counter()

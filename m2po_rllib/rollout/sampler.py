@@ -17,7 +17,9 @@ updates earlier (None while the queue fills).
 
 Asynchronous: `request()` every round the admission rule allows (`admission.py`: no trained
 token older than `max_staleness`), `collect()` what is ready (re-requesting the rounds of a
-runner that died), `pop_step()` once the next step's rounds are all in.
+runner that died), `pop_step()` once the next step's rounds are all in. With
+`max_staleness="auto"` the bound is a `StalenessController`'s (staleness.py), fed by
+`observe_m2()` with what the learners measured.
 
 Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and counters
 (async; the algorithm drains the rounds in flight first).
@@ -35,6 +37,7 @@ import numpy as np
 from m2po_rllib import keys
 from m2po_rllib.rollout.admission import AsyncRollouts
 from m2po_rllib.rollout.env_runner import round_seed, sample_and_metrics
+from m2po_rllib.rollout.staleness import StalenessController
 from m2po_rllib.wire.batch import concat_rollouts
 from m2po_rllib.wire.weights import PublishedWeights
 
@@ -58,15 +61,24 @@ class RolloutSampler:
         self.prompts_per_round = config.prompts_per_step // self.rounds_per_step
         self.rows_per_round = self.prompts_per_round * config.group_size
         self.updates_per_step = config.updates_per_step
-        # async: the admission bookkeeping (pure, no Ray); sync: the stale-k FIFO
+        # async: the admission bookkeeping (pure, no Ray), its bound fixed or steered by the
+        # measured M2; sync: the stale-k FIFO
+        self.staleness = (
+            StalenessController(**config.staleness_controller_settings())
+            if config.async_rollouts and config.auto_staleness
+            else None
+        )
         self.admission = (
             AsyncRollouts(
                 rounds_per_step=self.rounds_per_step, updates_per_step=self.updates_per_step,
-                max_staleness=config.max_staleness, rows_per_round=self.rows_per_round,
+                max_staleness=self.staleness.bound if self.staleness else config.max_staleness,
+                rows_per_round=self.rows_per_round,
             )
             if config.async_rollouts
             else None
         )
+        self.waiting = 0  # async: runner slots the bound held back at the last request
+        self._m2_buckets: set[int] = set()  # "auto": the age buckets reported so far
         self.queue: collections.deque[Rollout] = collections.deque()
         self.steps_sampled = 0  # sync: steps whose rounds were sampled
         self._base_version = start_version  # the learner's version before step 0
@@ -93,11 +105,27 @@ class RolloutSampler:
     def metrics(self) -> dict[str, float]:
         if self.admission is None:
             return {keys.QUEUE_LEN: len(self.queue)}
-        return {
+        out = {
             keys.QUEUE_LEN: len(self.admission.arrived),
             keys.DROPPED_ROWS: self.admission.dropped_rows,
             keys.ROUNDS_IN_FLIGHT: self.admission.num_in_flight(),
+            keys.ROUNDS_ADMITTED: self.admission.admitted,
+            keys.ROUNDS_WAITING: self.waiting,
+            keys.STALENESS_BOUND: self.admission.max_staleness,
         }
+        if self.staleness is not None:
+            out[keys.STALENESS_BOUND_CHANGES] = self.staleness.changes
+            measured = self.staleness.m2_by_bucket()
+            self._m2_buckets |= set(measured)
+            # a bucket no longer measured reads NaN (the logger would repeat its last value)
+            out.update({keys.m2_at_age(b): measured.get(b, float("nan")) for b in sorted(self._m2_buckets)})
+        return out
+
+    def observe_m2(self, by_age: dict[int, tuple[float, float]], version: int) -> None:
+        """The learners' squared log-ratios by age ({age: (sum, tokens)}) at policy version
+        `version`: with max_staleness="auto", the bound for the next requests follows."""
+        if self.staleness is not None and by_age:
+            self.admission.max_staleness = self.staleness.observe(by_age, version)
 
     # -- synchronous ---------------------------------------------------------------------
     def sample(self, weights: PublishedWeights) -> tuple[Rollout, list[dict], float]:
@@ -147,10 +175,14 @@ class RolloutSampler:
         if self.admission is None:
             return
         pipe = self.admission
-        for runner_id in self.runners.healthy_env_runner_ids():
-            while pipe.num_in_flight(runner_id) < self.config.max_requests_in_flight_per_env_runner:
+        limit = self.config.max_requests_in_flight_per_env_runner
+        healthy = self.runners.healthy_env_runner_ids()
+        self.waiting = 0
+        for runner_id in healthy:
+            while pipe.num_in_flight(runner_id) < limit:
                 n = pipe.next_request(weights.version, self.dispatched_version)
-                if n is None:
+                if n is None:  # the bound holds back every free slot
+                    self.waiting = sum(max(0, limit - pipe.num_in_flight(r)) for r in healthy)
                     return
                 sent = self.runners.foreach_env_runner_async(
                     sample_and_metrics, tag=SAMPLE_TAG, kwargs=self.round_request(n, weights),
@@ -200,6 +232,7 @@ class RolloutSampler:
             "queue": list(self.queue),
             "steps_sampled": self.steps_sampled,
             "admission": self.admission.get_state() if self.admission is not None else None,
+            "staleness": self.staleness.get_state() if self.staleness is not None else None,
         }
 
     def set_state(self, state: dict[str, Any], learner_version: int) -> None:
@@ -209,4 +242,7 @@ class RolloutSampler:
         self.steps_sampled = int(state["steps_sampled"])
         if self.admission is not None and state.get("admission") is not None:
             self.admission.set_state(state["admission"])
+        if self.staleness is not None and state.get("staleness") is not None:
+            self.staleness.set_state(state["staleness"])
+            self.admission.max_staleness = self.staleness.bound
         self._base_version = learner_version - self.steps_dispatched * self.updates_per_step

@@ -114,6 +114,39 @@ class _MinibatchMetrics:
         return out
 
 
+class _M2ByAge:
+    """The squared log-ratios of the trained tokens by their age (optimizer updates between
+    the weights that generated a row and those it is trained with), over an update call:
+    per row on the device while it runs, grouped once at its end (one transfer), as
+    {age: (sum of squared log-ratios, tokens)} for the staleness controller
+    (rollout/staleness.py)."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, log_ratio: torch.Tensor, usable: torch.Tensor, ages: torch.Tensor, sample_ids: torch.Tensor) -> None:
+        sq = torch.where(usable, log_ratio.detach().double() ** 2, 0.0)
+        self.parts.append((sample_ids.detach(), ages.detach().long(), sq.sum(dim=1), usable.sum(dim=1).double()))
+
+    def take(self) -> dict[int, tuple[float, float]]:
+        """{age: (sum, tokens)} of every row's first pass in this update (with num_epochs > 1
+        a row's later passes see weights already fitted to it), and a fresh start."""
+        if not self.parts:
+            return {}
+        ids, ages, sums, counts = (torch.cat(c).cpu().numpy() for c in zip(*self.parts))
+        self.parts = []
+        _, first = np.unique(ids, return_index=True)
+        ages, sums, counts = ages[first], sums[first], counts[first]
+        out = {}
+        for age in np.unique(ages):
+            rows = ages == age
+            out[int(age)] = (float(sums[rows].sum()), float(counts[rows].sum()))
+        return out
+
+    def clear(self) -> None:
+        self.parts = []
+
+
 @dataclasses.dataclass
 class _Minibatch:
     """What the micro-batches of one optimizer minibatch share: the whole minibatch's token
@@ -142,6 +175,7 @@ class M2POTorchLearner(TorchLearner):
         self._gathered_optimizer_state: tuple[int, dict] | None = None  # (policy version, state)
         super().build()
         self._grads_finite: dict[str, bool] = {}
+        self._m2_by_age = _M2ByAge()
         self._refresh_full_weights()
 
     @override(TorchLearner)
@@ -190,9 +224,12 @@ class M2POTorchLearner(TorchLearner):
     def update(self, *args, return_state: bool = False, **kwargs):
         """RLlib's update; with `return_state` the result also carries the weights after it
         (`keys.WEIGHTS_KEY`, as IMPALA's learner does), and always the policy version after
-        it and the seconds it took (for the learner's idle fraction)."""
+        it, the seconds it took (for the learner's idle fraction) and this learner's squared
+        log-ratios by age (for `max_staleness="auto"`)."""
         t0 = time.perf_counter()
+        self._m2_by_age.clear()  # nothing left from an update that failed part way
         result = super().update(*args, **kwargs)
+        result[keys.M2_BY_AGE_KEY] = self._m2_by_age.take()
         self._refresh_full_weights()
         if return_state:
             result[keys.WEIGHTS_KEY] = self.publish_weights()
@@ -297,12 +334,14 @@ class M2POTorchLearner(TorchLearner):
             ctx.rows = sl
             sync = contextlib.nullcontext() if not ddp or i == len(slices) - 1 else module.no_sync()
             with sync:
+                fwd_out = module.forward_train(sub)
                 loss = self.compute_loss_for_module(
-                    module_id=module_id, config=cfg, batch=sub, fwd_out=module.forward_train(sub), minibatch=ctx
+                    module_id=module_id, config=cfg, batch=sub, fwd_out=fwd_out, minibatch=ctx
                 )
                 # Parts add up to the minibatch's loss; DDP averages over ranks, hence * world.
                 (loss * world if world > 1 else loss).backward()
             total = total + loss.detach()
+            self._record_m2_by_age(sub, fwd_out[LOGP], ctx, now=module.unwrapped().policy_version)
         for _ in range(padding):  # a forward/backward whose gradient is zero
             pad = {k: v[:1] for k, v in mb.items()}
             (module.forward_train(pad)[LOGP].sum() * 0.0).backward()
@@ -356,6 +395,15 @@ class M2POTorchLearner(TorchLearner):
         metrics[keys.LOSS] = loss.detach()
         ctx.metrics.add(metrics)
         return loss
+
+    def _record_m2_by_age(self, sub: dict[str, Any], logp: torch.Tensor, ctx: _Minibatch, now: int) -> None:
+        """The micro-batch's squared log-ratios by age, over the tokens the loss sees (finite
+        ratios the rollout correction keeps), with the weights it is trained with."""
+        log_ratio = logp.detach().float() - sub["behavior_logp"].float()
+        usable = (sub["response_mask"] > 0) & torch.isfinite(log_ratio)
+        if ctx.correction is not None:
+            usable &= ctx.correction[1][ctx.rows]
+        self._m2_by_age.add(log_ratio, usable, now - sub["policy_version"], sub["sample_id"])
 
     @staticmethod
     def _correct(config, batch: dict[str, Any], ctx: _Minibatch) -> None:

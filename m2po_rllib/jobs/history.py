@@ -34,6 +34,10 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "entropy_masked": learner(keys.ENTROPY_MASKED),
     "log_ratio_abs_max": learner(keys.LOG_RATIO_ABS_MAX),
     "loss": learner(keys.LOSS),
+    "updates_per_s": (keys.UPDATES_PER_S,),
+    "runner_idle_frac": (keys.RUNNER_IDLE_FRAC,),
+    "staleness_bound": (keys.STALENESS_BOUND,),  # async: the max_staleness in force
+    "rounds_waiting": (keys.ROUNDS_WAITING,),
 }
 # One of these per clip loss (grpo, gspo, m2po_official).
 CLIPPED_FRAC = keys.CLIPPED_FRAC_PATHS

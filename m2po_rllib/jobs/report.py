@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.jobs.runs import Run, Variant, find_runs, group_variants, mean_std
+from m2po_rllib.jobs.runs import Run, Variant, find_runs, group_variants, mean_std, updates_per_s
 from m2po_rllib.keys import POLICY_VERSION
 
 
@@ -35,6 +35,7 @@ def summarize(variant: Variant) -> dict[str, Any]:
     fractions = [f for r in runs if (f := token_fraction(r))]
     updates = [r.values(POLICY_VERSION)[-1] for r in runs if r.values(POLICY_VERSION)]
     times = [r.history[-1]["time_s"] for r in runs]
+    speeds = [u for r in runs if (u := updates_per_s(r)) is not None]
     return {
         "variant": variant.label(),
         **variant.settings,
@@ -46,18 +47,19 @@ def summarize(variant: Variant) -> dict[str, Any]:
         "token_frac_mean": statistics.fmean(f for _, f in fractions) if fractions else None,
         "updates": [min(updates), max(updates)] if updates else None,
         "time_s_mean": statistics.fmean(times),
+        "updates_per_s_mean": mean_std(speeds)[0], "updates_per_s_std": mean_std(speeds)[1],
         "notes": sorted({f"{r.path.name}: {r.note}" for r in runs if r.note}),
     }
 
 
-def _pm(mean, std) -> str:
+def _pm(mean, std, digits: int = 3) -> str:
     if mean is None:
         return "-"
-    return f"{mean:.3f} ± {std:.3f}" if std is not None else f"{mean:.3f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None else f"{mean:.{digits}f}"
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = "| variant | seeds | final held-out | best held-out | masked / clipped tokens | updates | time |"
+    head = "| variant | seeds | final held-out | best held-out | masked / clipped tokens | updates | time | updates/s |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         frac = f"{r['token_kind']} {100 * r['token_frac_mean']:.2f}%" if r["token_kind"] else "-"
@@ -70,7 +72,8 @@ def markdown_table(rows: list[dict]) -> str:
         time_s = f"{t / 60:.1f} min" if t >= 60 else f"{t:.0f} s"
         lines.append(
             f"| {r['variant']} | {seeds} | {_pm(r['final_mean'], r['final_std'])} | "
-            f"{_pm(r['best_mean'], r['best_std'])} | {frac} | {updates} | {time_s} |"
+            f"{_pm(r['best_mean'], r['best_std'])} | {frac} | {updates} | {time_s} | "
+            f"{_pm(r['updates_per_s_mean'], r['updates_per_s_std'], digits=2)} |"
         )
     return "\n".join(lines)
 
@@ -94,7 +97,8 @@ def write_report(dirs: list[str], out: str | None = None) -> Path:
         "Held-out accuracy is greedy accuracy on the held-out problems, the last evaluation of each run "
         "(final) and its best evaluation (best), as mean ± sample std over seeds; masked / clipped tokens "
         "is the mean over training of M2PO's masked fraction or the clip losses' clipped fraction; "
-        "updates are optimizer updates; time is wall-clock training time.",
+        "updates are optimizer updates; time is wall-clock training time; updates/s is a run's updates over its "
+        "time (mean ± std over seeds).",
         "",
         markdown_table(rows),
         "",

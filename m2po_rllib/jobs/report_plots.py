@@ -10,6 +10,8 @@ one colour per variant, mean over seeds with a +-1 std band, optimizer updates o
 - m2.png: M2 (mean squared log-ratio) before (solid) and after (dashed) M2PO's mask
 - mismatch.png: the engine's log-probs against the learner's (mean |delta|), where measured
   (the mismatch check, or every round with recomputed behaviour log-probs)
+- async_bound.png (async runs): the staleness bound in force vs updates, and final
+  held-out accuracy vs optimizer updates per second
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from m2po_rllib.jobs.runs import Variant, mean_std
+from m2po_rllib.jobs.runs import Variant, mean_std, order, updates_per_s
+from m2po_rllib.rollout.staleness import AUTO
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 
@@ -51,7 +54,7 @@ def _curve(variant: Variant, field: str, smooth: int = 1, when: str | None = Non
 
 
 def _panels(variants: list[Variant]):
-    levels = sorted({v.key[2] for v in variants})
+    levels = sorted({v.key[2] for v in variants}, key=order)
     return levels, {lvl: [v for v in variants if v.key[2] == lvl] for lvl in levels}
 
 
@@ -109,7 +112,7 @@ def _per_staleness(variants, out: Path, name: str, fields, ylabel: str, title: s
             ax.text(0.5, 0.5, "not trained yet:\nthe stale queue\nis still filling", transform=ax.transAxes,
                     ha="center", va="center", fontsize=9, color="gray")
             legend.setdefault("(no optimizer update yet)", ax.plot([], [], alpha=0)[0])
-        mode = "<=" if panels[lvl][0].key[1] == "async" else ""
+        mode = "<=" if panels[lvl][0].key[1] == "async" and lvl != AUTO else ""
         for y in refs:  # e.g. tau on the M2 plot
             legend.setdefault(f"tau = {y:g}", ax.axhline(y, color="gray", ls=":", lw=1))
         ax.set_title(f"staleness {mode}{lvl}", fontsize=10)
@@ -132,7 +135,8 @@ def _final_vs_staleness(variants: list[Variant], out: Path):
     colors = _colors(variants)
     fig, ax = plt.subplots(figsize=(6.8, 3.8), layout="constrained")
     for family in colors:
-        members = sorted((v for v in variants if _family(v) == family), key=lambda v: v.key[2])
+        # the fixed levels ("auto" has no place on the axis: async_bound.png shows it)
+        members = sorted((v for v in variants if _family(v) == family and v.key[2] != AUTO), key=lambda v: v.key[2])
         points = [(v.key[2], mean_std([r.final for r in v.runs if r.final is not None])) for v in members]
         points = [(x, m, s or 0.0) for x, (m, s) in points if m is not None]
         if points:
@@ -144,6 +148,45 @@ def _final_vs_staleness(variants: list[Variant], out: Path):
     ax.grid(alpha=0.3)
     fig.legend(loc="outside right center", fontsize=7)
     path = out / "final_vs_staleness.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _async_bound(variants: list[Variant], out: Path):
+    """Async runs: the staleness bound in force vs updates (fixed bounds are flat, "auto"
+    moves), and final held-out accuracy vs updates per second (mean ± std over seeds)."""
+    variants = [v for v in variants if v.key[1] == "async"]
+    if not variants:
+        return None
+    plt = _plt()
+    cmap = plt.get_cmap("tab10")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
+    for i, v in enumerate(variants):
+        color, label = cmap(i % 10), v.label()
+        xs, m, sd = _curve(v, "staleness_bound")
+        if len(xs):
+            ax.plot(xs, m, color=color, label=label)
+            ax.fill_between(xs, m - sd, m + sd, color=color, alpha=0.15, linewidth=0)
+        speed = mean_std([u for r in v.runs if (u := updates_per_s(r)) is not None])
+        final = mean_std([r.final for r in v.runs if r.final is not None])
+        if speed[0] is not None and final[0] is not None:
+            bx.errorbar(speed[0], final[0], xerr=speed[1] or 0.0, yerr=final[1] or 0.0, marker="o", capsize=3,
+                        color=color, label=label)
+    ax.set_xlabel("optimizer updates")
+    ax.set_ylabel("max_staleness in force")
+    ax.set_yscale("log", base=2)
+    ax.set_title("the staleness bound (mean ± std over seeds)", fontsize=10)
+    bx.set_xlabel("optimizer updates per second (whole run)")
+    bx.set_ylabel("final held-out accuracy")
+    bx.set_title("accuracy vs throughput (mean ± std over seeds)", fontsize=10)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:  # no bound recorded (runs from before it was): the scatter's
+        handles, labels = bx.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7)
+    path = out / "async_bound.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -174,5 +217,6 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
         _per_staleness(variants, out, "mismatch", [("logp_mismatch_mean", "-")], "mean |delta log-prob|",
                        "engine vs learner log-probs on the generating weights", logy=True,
                        when="logp_mismatch_mean"),
+        _async_bound(variants, out),
     ]
     return [p for p in paths if p is not None]

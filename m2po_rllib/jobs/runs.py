@@ -15,6 +15,7 @@ from typing import Any
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.history import history_record
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
+from m2po_rllib.rollout.staleness import AUTO
 
 SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed",
             "engine_kwargs", "recompute_behavior_logp", "rollout_correction")
@@ -78,12 +79,20 @@ class Variant:
         s = self.settings
         parts = {
             "policy_loss": s["policy_loss"],
-            "staleness": f"stale {'<=' if s['mode'] == 'async' else ''}{s['staleness']}",
+            "staleness": f"stale {'<=' if s['mode'] == 'async' and s['staleness'] != AUTO else ''}{s['staleness']}",
             "m2_threshold": f"tau {s['m2_threshold']:g}" if s["m2_threshold"] is not None else None,
             "lr": f"lr {s['lr']:g}",
             "numerics": s["numerics"],
         }
         return ", ".join(parts[c] for c in columns if parts.get(c))
+
+
+def updates_per_s(run: Run) -> float | None:
+    """Optimizer updates per second of wall-clock training time over the whole run."""
+    updates = run.values(POLICY_VERSION)
+    if not updates or not run.history or not run.history[-1].get("time_s"):
+        return None
+    return updates[-1] / run.history[-1]["time_s"]
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -179,10 +188,20 @@ def group_variants(runs: list[Run]) -> list[Variant]:
         takes_tau = loss != "?" and "m2_threshold" in policy_loss_params(loss)
         mode = "async" if s.get("async_rollouts") else "stale-k"
         staleness = s.get("max_staleness") if mode == "async" else s.get("staleness")
-        key = (loss, mode, int(staleness or 0), s.get("m2_threshold") if takes_tau else None, s.get("lr"),
+        key = (loss, mode, staleness_level(staleness), s.get("m2_threshold") if takes_tau else None, s.get("lr"),
                numerics_label(s))
         variants.setdefault(key, Variant(key)).runs.append(run)
-    return sorted(variants.values(), key=lambda v: tuple((x is None, x) for x in v.key))
+    return sorted(variants.values(), key=lambda v: tuple(order(x) for x in v.key))
+
+
+def staleness_level(value) -> int | str:
+    """A variant's staleness: the updates (stale-k) or the bound (async), or "auto"."""
+    return AUTO if value == AUTO else int(value or 0)
+
+
+def order(value) -> tuple:
+    """A sort key for key entries that mix None, numbers and names ("auto" after the numbers)."""
+    return value is None, isinstance(value, str), value
 
 
 # -- the table -----------------------------------------------------------------------------

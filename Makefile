@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro repro-tau mismatch test test-fast bench clean
+.PHONY: setup train lab repro repro-tau mismatch adaptive test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,14 @@ repro-tau: setup
 # with recomputed behaviour log-probs + truncated IS, 3 seeds; report in runs/mismatch/report.
 mismatch: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/mismatch.yaml --out runs/mismatch $(ARGS)
+
+# The staleness bound steered by M2 (~75 min): fixed bounds {2, 8, 32, 128} vs
+# max_staleness=auto under long-tailed generation times, 3 seeds, then bounds {8, 128} vs
+# auto with the policy moving 2x faster, 2 seeds; one report in runs/adaptive/report.
+adaptive: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/adaptive.yaml --out runs/adaptive/base --no-report $(ARGS)
+	$(VENV)/bin/m2po lab --space tune/spaces/adaptive_fast.yaml --out runs/adaptive/fast --no-report $(ARGS)
+	$(VENV)/bin/m2po report runs/adaptive/base runs/adaptive/fast --out runs/adaptive/report
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

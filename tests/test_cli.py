@@ -186,9 +186,11 @@ def test_train_resume_eval_export(tmp_path, capfd, monkeypatch):
     assert err.startswith(
         "m2po train: error: cannot change `env_runners.temperature`, `training.staleness` when resuming"
     ) and "run.*, training.lr," in err
-    out = _m2po("train", "--resume", str(run), "--stop-iters", "3", "--no-progress", "training.lr=5e-4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed" in out.stdout and "  training.lr: 0.001 -> 0.0005" in out.stdout
+    # (in this process, on the session's Ray: the first run above is the user's shell)
+    code, stdout, err = _m2po_here(capfd, "train", "--resume", str(run), "--stop-iters", "3", "--no-progress",
+                                   "training.lr=5e-4")
+    assert code == 0, err[-3000:]
+    assert "resumed" in stdout and "  training.lr: 0.001 -> 0.0005" in stdout
     meta = json.loads((run / "run.json").read_text())
     assert meta["spec"]["training"]["lr"] == 5e-4
     assert meta["resumes"] == [{"iteration": 2, "overrides": ["training.lr=5e-4"]}]

@@ -20,6 +20,9 @@ class Problem:
     """The normalised gold answer, as `math_reward` expects it (e.g. "579", "\\frac{1}{2}")."""
     id: str
     """A stable identifier: the same problem has the same id in every run."""
+    solution: str = ""
+    """A worked solution ending in the boxed answer, where the task family writes one
+    (`ColumnAdditionTasks`); for a supervised warm start, never shown to the policy."""
 
 
 @runtime_checkable

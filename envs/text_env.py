@@ -32,6 +32,7 @@ from gymnasium import spaces
 
 from envs.answers import to_text
 from envs.arithmetic import ArithmeticTasks
+from envs.column_addition import ColumnAdditionTasks
 from envs.datasets import DatasetTasks
 from envs.reward import Verdict, shared_verifier
 from envs.tasks import Problem, TaskSource, check_split
@@ -227,6 +228,15 @@ class ArithmeticEnv(MathTextEnv):
         super().__init__(ArithmeticTasks(**task_kw), **env_kw)
 
 
+class ColumnAdditionEnv(MathTextEnv):
+    """`m2po/ColumnAddition-v0`: env_config is ColumnAdditionTasks' knobs plus the MathTextEnv
+    keys; the reasoning-length task (answers of 24-64 tokens worked column by column)."""
+
+    def __init__(self, **env_config):
+        task_kw, env_kw = _split_config(ColumnAdditionTasks, env_config, "m2po/ColumnAddition-v0")
+        super().__init__(ColumnAdditionTasks(**task_kw), **env_kw)
+
+
 class MathDatasetEnv(MathTextEnv):
     """`m2po/MathDataset-v0`: env_config is DatasetTasks' arguments plus the MathTextEnv keys."""
 
@@ -237,6 +247,7 @@ class MathDatasetEnv(MathTextEnv):
 
 ENV_IDS = {
     "m2po/Arithmetic-v0": "envs.text_env:ArithmeticEnv",
+    "m2po/ColumnAddition-v0": "envs.text_env:ColumnAdditionEnv",
     "m2po/MathDataset-v0": "envs.text_env:MathDatasetEnv",
 }
 

@@ -457,5 +457,5 @@ def env_id_error(env) -> str | None:
     if env_id in gym.registry:
         return None
     close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "the project's are 'm2po/Arithmetic-v0' and 'm2po/MathDataset-v0'"
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "the project's are 'm2po/Arithmetic-v0', 'm2po/ColumnAddition-v0' and 'm2po/MathDataset-v0'"
     return f"`env` ({env!r}) is not a registered gymnasium env id; {hint}"

@@ -1,4 +1,15 @@
-"""Build `builtin:arith-tiny`: a tiny Qwen2 warm-started on 3-digit addition.
+"""Build the built-in models: tiny Qwen2s warm-started on a procedural task.
+
+`--model arith-tiny` (the default) builds `builtin:arith-tiny`, on 3-digit addition;
+`--model column-add-tiny` builds `builtin:column-add-tiny`, on 5-digit addition worked
+column by column (`m2po/ColumnAddition-v0`: the completion is `Problem.solution`, its
+held-out accuracy is the boxed answer's); shipped as built by
+
+    python scripts/build_builtin_model.py --model column-add-tiny --threads 2 --eval-every 25 --target-acc 0.22 0.32
+
+(379 steps in 272 s on 2 quiet cores; 18.8% greedy accuracy on all 500 held-out problems,
+22% on the first 200; accuracy is 0 until step ~325, then swings by ~10 points per step).
+Below: arith-tiny.
 
 The base model of `make train`. Supervised training on "123+456=" -> "\\boxed{579}</s>"
 (train split of `ArithmeticTasks(digits=3, num_operands=2, operators="+")`), stopped as
@@ -41,17 +52,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from envs.arithmetic import ArithmeticTasks  # noqa: E402
+import envs  # noqa: E402
 from envs.templates import render_prompt  # noqa: E402
 from m2po_rllib.models.builtin import (  # noqa: E402
     BUILTIN_MODELS,
+    boxed_answer_match,
     boxed_exact_match,
     builtin_dir,
     greedy_completions,
 )
 from m2po_rllib.models.tiny import new_tiny_model  # noqa: E402
 
-NAME = "arith-tiny"
 # head_dim = 128 / 4 = 32: vLLM's CPU attention needs a head size in {32, 64, ...}.
 ARCH = dict(
     hidden_size=128,
@@ -66,8 +77,9 @@ ARCH = dict(
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="arith-tiny", choices=sorted(BUILTIN_MODELS), help="which built-in model")
     p.add_argument("--seed", type=int, default=0, help="model init, data order")
-    p.add_argument("--out", default=str(builtin_dir(NAME)), help="output directory")
+    p.add_argument("--out", default=None, help="output directory (default: the package's assets/<model>)")
     p.add_argument(
         "--target-acc", type=float, nargs=2, default=(0.20, 0.30), metavar=("LO", "HI"),
         help="stop at the first evaluation with LO <= greedy held-out accuracy <= HI",
@@ -84,24 +96,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="build nothing: compare greedy accuracy of --out under transformers and vLLM",
     )
     p.add_argument("--check-size", type=int, default=100, help="held-out problems for --check-vllm")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = args.out or str(builtin_dir(args.model))
+    return args
 
 
-def task() -> ArithmeticTasks:
-    return ArithmeticTasks(**BUILTIN_MODELS[NAME].task)
+def task(name: str, seed: int = 0):
+    spec = BUILTIN_MODELS[name]
+    return getattr(envs, spec.task_family)(**spec.task, seed=seed)
 
 
-def prompt(question: str) -> str:
-    return render_prompt(question, BUILTIN_MODELS[NAME].template)
+def prompt(name: str, question: str) -> str:
+    return render_prompt(question, BUILTIN_MODELS[name].template)
 
 
-def train_batch(tasks: ArithmeticTasks, tokenizer, step: int, batch_size: int):
+def completion(problem) -> str:
+    """What the model learns to write: the worked solution where the task has one."""
+    return problem.solution or "\\boxed{" + problem.answer + "}"
+
+
+def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):
     """Right-padded (input_ids, attention_mask, labels) of train problems; loss on the completion only."""
     rows, label_rows = [], []
     for i in range(batch_size):
         problem = tasks.problem(step * batch_size + i)
-        p_ids = tokenizer(prompt(problem.question), add_special_tokens=False)["input_ids"]
-        c_ids = tokenizer("\\boxed{" + problem.answer + "}", add_special_tokens=False)["input_ids"]
+        p_ids = tokenizer(prompt(name, problem.question), add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer(completion(problem), add_special_tokens=False)["input_ids"]
         c_ids = c_ids + [tokenizer.eos_token_id]
         rows.append(p_ids + c_ids)
         label_rows.append([-100] * len(p_ids) + c_ids)
@@ -113,20 +133,26 @@ def train_batch(tasks: ArithmeticTasks, tokenizer, step: int, batch_size: int):
     return input_ids, attention_mask, labels
 
 
-def accuracy(model, tokenizer, problems) -> float:
-    completions = greedy_completions(model, tokenizer, [prompt(p.question) for p in problems])
-    return float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(completions, problems)]))
+def accuracy(name: str, model, tokenizer, problems) -> float:
+    """Greedy held-out accuracy: the answer exactly (arith-tiny), the boxed answer after the
+    work (worked solutions)."""
+    spec = BUILTIN_MODELS[name]
+    completions = greedy_completions(model, tokenizer, [prompt(name, p.question) for p in problems],
+                                     spec.answer_tokens)
+    match = boxed_answer_match if spec.task_family != "ArithmeticTasks" else boxed_exact_match
+    return float(np.mean([match(c, p.answer) for c, p in zip(completions, problems)]))
 
 
 def build(args: argparse.Namespace) -> dict:
     lo, hi = args.target_acc
     torch.set_num_threads(args.threads)
     # The train problems follow the build seed; the held-out set is the same for every seed.
-    tasks = ArithmeticTasks(**BUILTIN_MODELS[NAME].task, seed=args.seed)
+    name = args.model
+    tasks = task(name, args.seed)
     heldout = tasks.heldout()
     model, tokenizer = new_tiny_model(args.seed, **ARCH)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{NAME}: {n_params:,} parameters, task {tasks!r}", flush=True)
+    print(f"{name}: {n_params:,} parameters, task {tasks!r}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
 
     def lr_at(step: int) -> float:
@@ -144,7 +170,7 @@ def build(args: argparse.Namespace) -> dict:
             )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        input_ids, attention_mask, labels = train_batch(tasks, tokenizer, step, args.batch_size)
+        input_ids, attention_mask, labels = train_batch(name, tasks, tokenizer, step, args.batch_size)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -153,7 +179,7 @@ def build(args: argparse.Namespace) -> dict:
         step += 1
         if step % eval_every:
             continue
-        acc = accuracy(model, tokenizer, heldout[: args.eval_size])
+        acc = accuracy(name, model, tokenizer, heldout[: args.eval_size])
         elapsed = time.perf_counter() - start
         print(f"step {step:5d}  loss {loss.item():.4f}  held-out acc {acc:.3f}  {elapsed:6.1f}s", flush=True)
         if lo <= acc <= hi:
@@ -172,14 +198,14 @@ def build(args: argparse.Namespace) -> dict:
             continue
         snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
     train_seconds = time.perf_counter() - start
-    full_acc = accuracy(model, tokenizer, heldout)
+    full_acc = accuracy(name, model, tokenizer, heldout)
     print(
         f"done: {step} steps in {train_seconds:.1f}s; greedy held-out accuracy {full_acc:.3f} "
         f"on all {len(heldout)} (stopping criterion: {acc:.3f} on the first {args.eval_size})",
         flush=True,
     )
     info = dict(
-        name=NAME,
+        name=name,
         seed=args.seed,
         steps=step,
         train_seconds=round(train_seconds, 1),
@@ -191,13 +217,14 @@ def build(args: argparse.Namespace) -> dict:
         target_acc=[lo, hi],
         parameters=n_params,
         architecture=dict(model_type="qwen2", vocab_size=len(tokenizer), **ARCH),
-        task=dict(name="ArithmeticTasks", **BUILTIN_MODELS[NAME].task),
-        template=BUILTIN_MODELS[NAME].template,
+        task=dict(name=BUILTIN_MODELS[name].task_family, **BUILTIN_MODELS[name].task),
+        template=BUILTIN_MODELS[name].template,
         training=dict(
             batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
             eval_every=args.eval_every,
             optimizer="AdamW(betas=(0.9, 0.98), weight_decay=0.1)", grad_clip=1.0,
-            target="\\boxed{<answer>}</s>, loss on completion tokens only",
+            target=("the worked solution" if BUILTIN_MODELS[name].task_family != "ArithmeticTasks"
+                    else "\\boxed{<answer>}") + "</s>, loss on completion tokens only",
         ),
         torch=torch.__version__,
     )
@@ -227,18 +254,20 @@ def check_vllm(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    problems = task().heldout()[: args.check_size]
-    prompts = [prompt(p.question) for p in problems]
+    spec = BUILTIN_MODELS[args.model]
+    problems = task(args.model).heldout()[: args.check_size]
+    prompts = [prompt(args.model, p.question) for p in problems]
     model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.out)
-    hf = greedy_completions(model, tokenizer, prompts)
+    hf = greedy_completions(model, tokenizer, prompts, spec.answer_tokens)
     start = time.perf_counter()
     llm = LLM(model=args.out, dtype="float32", enforce_eager=True, seed=0)
     startup = time.perf_counter() - start
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=spec.answer_tokens))
     vl = [o.outputs[0].text for o in outputs]
-    hf_acc = float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(hf, problems)]))
-    vl_acc = float(np.mean([boxed_exact_match(c, p.answer) for c, p in zip(vl, problems)]))
+    match = boxed_answer_match if spec.task_family != "ArithmeticTasks" else boxed_exact_match
+    hf_acc = float(np.mean([match(c, p.answer) for c, p in zip(hf, problems)]))
+    vl_acc = float(np.mean([match(c, p.answer) for c, p in zip(vl, problems)]))
     same = sum(a.strip() == b.strip() for a, b in zip(hf, vl))
     for p, a, b in list(zip(prompts, hf, vl))[:5]:
         print(f"  {p!r:12} transformers {a!r:16} vLLM {b!r}")

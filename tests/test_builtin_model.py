@@ -86,7 +86,7 @@ def test_unknown_builtin_lists_the_known():
         resolve_model_path("builtin:no-such-model")
     assert str(err.value) == (
         "model_config['model'] ('builtin:no-such-model') is not a built-in model; "
-        "the built-in models are: builtin:arith-tiny"
+        "the built-in models are: builtin:arith-tiny, builtin:column-add-tiny"
     )
 
 
@@ -98,11 +98,36 @@ def test_a_directory_that_is_no_model_says_so(tmp_path):
         resolve_model_path(tmp_path / "weights.bin")
 
 
-def test_build_info_matches_the_registry():
-    info = json.loads((Path(resolve_model_path("builtin:arith-tiny")) / "build_info.json").read_text())
-    task = BUILTIN_MODELS["arith-tiny"].task
-    assert {k: info["task"][k] for k in task} == task
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_build_info_matches_the_registry(name):
+    info = json.loads((Path(resolve_model_path("builtin:" + name)) / "build_info.json").read_text())
+    spec = BUILTIN_MODELS[name]
+    assert {k: info["task"][k] for k in spec.task} == spec.task and info["task"]["name"] == spec.task_family
     assert 0.15 <= info["heldout_greedy_accuracy"] <= 0.35, info
+
+
+def test_the_reasoning_model_works_its_answers_and_is_half_taught():
+    """builtin:column-add-tiny writes the column-by-column work (every completion a worked
+    solution ending in a boxed answer) and is right only some of the time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import envs
+    from m2po_rllib.models.builtin import boxed_answer_match
+
+    spec = BUILTIN_MODELS["column-add-tiny"]
+    path = resolve_model_path("builtin:column-add-tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    problems = envs.ColumnAdditionTasks(**spec.task).heldout()[:100]
+    completions = greedy_completions(model, tokenizer, [render_prompt(p.question, spec.template) for p in problems],
+                                     spec.answer_tokens)
+    acc = sum(boxed_answer_match(c, p.answer) for c, p in zip(completions, problems)) / len(problems)
+    assert ACC_BAND[0] <= acc <= ACC_BAND[1], f"greedy held-out accuracy {acc:.2f} outside {ACC_BAND}"
+    steps = sum(c.count("=") >= 4 and c.rstrip().endswith("}") and "\\boxed{" in c for c in completions)
+    assert steps >= 95, completions[:3]
+    lengths = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in completions]
+    assert min(lengths) >= 24
 
 
 def test_tokenizer_round_trips(arith_tiny):

@@ -23,9 +23,14 @@ BUILTIN_PREFIX = "builtin:"
 class BuiltinModel:
     description: str
     task: dict = field(default_factory=dict)
-    """`envs.arithmetic.ArithmeticTasks` arguments of the task it was warm-started on."""
+    """The arguments of the task family it was warm-started on (`task_family`)."""
     template: str = "compact"
     """The `envs.templates` prompt template it was trained with."""
+    task_family: str = "ArithmeticTasks"
+    """`envs.ArithmeticTasks` (answers "\\boxed{579}") or `envs.ColumnAdditionTasks` (worked
+    solutions, `Problem.solution`)."""
+    answer_tokens: int = 8
+    """Longest answer it was trained to write, in tokens (`max_new_tokens` for it)."""
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -35,6 +40,16 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "3-digit addition to 15-35% greedy held-out accuracy: room for RL to show."
         ),
         task=dict(digits=3, num_operands=2, operators="+"),
+    ),
+    "column-add-tiny": BuiltinModel(
+        description=(
+            "The same 0.8M-parameter character-level Qwen2, warm-started on 5-digit addition "
+            "worked column by column (`m2po/ColumnAddition-v0`: 31-51 token answers) to "
+            "20-35% greedy held-out accuracy."
+        ),
+        task=dict(digits=5, num_operands=2),
+        task_family="ColumnAdditionTasks",
+        answer_tokens=64,
     ),
 }
 
@@ -162,6 +177,13 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                 out[i] = tokenizer.decode(row, skip_special_tokens=True)
     model.train(was_training)
     return out
+
+
+def boxed_answer_match(completion: str, answer: str) -> bool:
+    """Strict score of a worked solution: its last `\\boxed{...}` holds exactly `answer`."""
+    start = completion.rfind("\\boxed{")
+    end = completion.find("}", start)
+    return start >= 0 and end > start and completion[start + len("\\boxed{") : end] == answer
 
 
 def boxed_exact_match(completion: str, answer: str) -> bool:

@@ -31,8 +31,11 @@ right 12% of the time and 53% of 8-sample groups hold both a right and a wrong a
 so GRPO/M2PO advantages are non-zero from the first step. Accuracy is ~1% until step
 ~330, then climbs 7% -> 16% -> 27% in 20 steps.
 
-The result is bit-identical for a given seed, thread count and evaluation schedule
-(CPU float reductions depend on the number of threads).
+The result is bit-identical for a given seed, thread count, evaluation schedule and
+install (CPU float reductions depend on the number of threads). Across installs it is
+not: on 2026-12-02 a rebuild of arith-tiny with the same torch 2.13.0 took 410 steps to
+30.0% (the shipped weights: 370 steps, 24.8%), with this script and with the version
+before `--model` alike (identical weights from both).
 """
 
 from __future__ import annotations

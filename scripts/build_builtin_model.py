@@ -139,10 +139,14 @@ def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):
 def accuracy(name: str, model, tokenizer, problems) -> float:
     """Greedy held-out accuracy: the answer exactly (arith-tiny), the boxed answer after the
     work (worked solutions)."""
-    spec = BUILTIN_MODELS[name]
     completions = greedy_completions(model, tokenizer, [prompt(name, p.question) for p in problems],
-                                     spec.answer_tokens)
-    match = boxed_answer_match if spec.task_family != "ArithmeticTasks" else boxed_exact_match
+                                     BUILTIN_MODELS[name].answer_tokens)
+    return score(name, completions, problems)
+
+
+def score(name: str, completions: list[str], problems) -> float:
+    worked = BUILTIN_MODELS[name].task_family != "ArithmeticTasks"
+    match = boxed_answer_match if worked else boxed_exact_match
     return float(np.mean([match(c, p.answer) for c, p in zip(completions, problems)]))
 
 
@@ -268,9 +272,7 @@ def check_vllm(args: argparse.Namespace) -> dict:
     startup = time.perf_counter() - start
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=spec.answer_tokens))
     vl = [o.outputs[0].text for o in outputs]
-    match = boxed_answer_match if spec.task_family != "ArithmeticTasks" else boxed_exact_match
-    hf_acc = float(np.mean([match(c, p.answer) for c, p in zip(hf, problems)]))
-    vl_acc = float(np.mean([match(c, p.answer) for c, p in zip(vl, problems)]))
+    hf_acc, vl_acc = score(args.model, hf, problems), score(args.model, vl, problems)
     same = sum(a.strip() == b.strip() for a, b in zip(hf, vl))
     for p, a, b in list(zip(prompts, hf, vl))[:5]:
         print(f"  {p!r:12} transformers {a!r:16} vLLM {b!r}")

@@ -135,8 +135,9 @@ def test_an_update_reports_squared_log_ratios_by_age_over_the_tokens_the_loss_se
     gap = rng.standard_normal(train["behavior_logp"].shape).astype(np.float32)
     train["engine_logp"] = np.where(train["response_mask"] > 0, train["behavior_logp"] + gap, 0.0).astype(np.float32)
     train["policy_version"] = np.array([5, 5, 4, 4, 4, 2, 2, 0])
-    cfg = _config(tiny_model_dir, micro_batch_size=3, recompute_behavior_logp=True, rollout_correction="icepop")
-    learner = _learner(cfg)
+    cfg = _config(tiny_model_dir, micro_batch_size=3, recompute_behavior_logp=True, rollout_correction="icepop",
+                  async_rollouts=True, max_staleness="auto", logp_mismatch_interval=0)
+    learner = _learner(cfg.env_runners(num_env_runners=1))  # recorded only for "auto" (its one reader)
     learner.module["default_policy"].unwrapped().policy_version = 5
     log_ratio = torch.as_tensor(learner.response_logp(train)) - torch.as_tensor(train["behavior_logp"])
     valid = torch.as_tensor(train["response_mask"]) > 0

@@ -25,7 +25,7 @@ def simulate(ctrl: StalenessController, m2_of, steps: int, seed: int, *, runners
     controller sets the bound for the next requests. Returns per trained round (version,
     age of its oldest token, bound it was admitted under) and the bound after each step."""
     U = updates_per_step
-    pipe = AsyncRollouts(rounds_per_step=runners, updates_per_step=U, max_staleness=ctrl.bound, rows_per_round=1)
+    pipe = AsyncRollouts(rounds_per_step=runners, updates_per_step=U, max_staleness=ctrl, rows_per_round=1)
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     version = dispatched = 0  # the learner's version; the version once every dispatched step is trained
     clock, pending, training = 0.0, [], None
@@ -60,8 +60,8 @@ def simulate(ctrl: StalenessController, m2_of, steps: int, seed: int, *, runners
                     acc[1] += TOKENS
                 trained.append((start, start + U - 1 - int(b["policy_version"][0]), admitted_under[n]))
             version = start + U
-            pipe.max_staleness = ctrl.observe({a: tuple(v) for a, v in by_age.items()}, version)
-            bounds.append(pipe.max_staleness)
+            ctrl.observe({a: tuple(v) for a, v in by_age.items()}, version)
+            bounds.append(pipe.max_staleness)  # the admission rule reads the controller's bound
         else:
             clock, r, n, v = pending.pop(0)
             pipe.received(r, {"sample_id": np.array([n]), "policy_version": np.array([v])})

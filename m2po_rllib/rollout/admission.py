@@ -18,8 +18,8 @@ most `max_staleness`; since `b` only grows, waiting always makes a round admissi
 be older when its step is dispatched (it cannot, short of a bug or a hand-made state),
 the round is not trained: it is counted in `dropped_rows` and requested again.
 
-A moving bound (`max_staleness="auto"`, staleness.py) changes `max_staleness` between
-requests; each round keeps the bound it was admitted under (`admitted_bound`), and that is
+A moving bound (`max_staleness="auto"`: a `StalenessController`, staleness.py, owns it)
+changes between requests; each round keeps the bound it was admitted under (`admitted_bound`), and that is
 the one checked when its step is dispatched, so lowering the bound never drops a round
 already admitted.
 
@@ -36,12 +36,16 @@ from typing import Any
 
 import numpy as np
 
+from m2po_rllib.rollout.staleness import StalenessController
+
 
 class AsyncRollouts:
-    def __init__(self, *, rounds_per_step: int, updates_per_step: int, max_staleness: int, rows_per_round: int):
+    def __init__(self, *, rounds_per_step: int, updates_per_step: int, max_staleness: int | StalenessController,
+                 rows_per_round: int):
+        """`max_staleness`: a fixed bound, or the controller whose bound is in force."""
         self.rounds_per_step = rounds_per_step
         self.updates_per_step = updates_per_step
-        self.max_staleness = max_staleness
+        self._bound = max_staleness
         self.rows_per_round = rows_per_round
         self.next_round = 0  # the next round never requested so far
         self.next_step = 0  # the next step to dispatch to the learners
@@ -53,6 +57,11 @@ class AsyncRollouts:
         self.admitted = 0  # rounds requested so far (re-requests included)
 
     # -- admission ----------------------------------------------------------------------
+    @property
+    def max_staleness(self) -> int:
+        """The bound in force: the fixed one, or the controller's now."""
+        return self._bound.bound if isinstance(self._bound, StalenessController) else self._bound
+
     def step_of(self, round_index: int) -> int:
         return round_index // self.rounds_per_step
 

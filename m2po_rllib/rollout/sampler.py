@@ -71,7 +71,7 @@ class RolloutSampler:
         self.admission = (
             AsyncRollouts(
                 rounds_per_step=self.rounds_per_step, updates_per_step=self.updates_per_step,
-                max_staleness=self.staleness.bound if self.staleness else config.max_staleness,
+                max_staleness=self.staleness or config.max_staleness,
                 rows_per_round=self.rows_per_round,
             )
             if config.async_rollouts
@@ -125,7 +125,7 @@ class RolloutSampler:
         """The learners' squared log-ratios by age ({age: (sum, tokens)}) at policy version
         `version`: with max_staleness="auto", the bound for the next requests follows."""
         if self.staleness is not None and by_age:
-            self.admission.max_staleness = self.staleness.observe(by_age, version)
+            self.staleness.observe(by_age, version)
 
     # -- synchronous ---------------------------------------------------------------------
     def sample(self, weights: PublishedWeights) -> tuple[Rollout, list[dict], float]:
@@ -244,5 +244,4 @@ class RolloutSampler:
             self.admission.set_state(state["admission"])
         if self.staleness is not None and state.get("staleness") is not None:
             self.staleness.set_state(state["staleness"])
-            self.admission.max_staleness = self.staleness.bound
         self._base_version = learner_version - self.steps_dispatched * self.updates_per_step

@@ -224,8 +224,8 @@ class M2POTorchLearner(TorchLearner):
     def update(self, *args, return_state: bool = False, **kwargs):
         """RLlib's update; with `return_state` the result also carries the weights after it
         (`keys.WEIGHTS_KEY`, as IMPALA's learner does), and always the policy version after
-        it, the seconds it took (for the learner's idle fraction) and this learner's squared
-        log-ratios by age (for `max_staleness="auto"`)."""
+        it, the seconds it took (for the learner's idle fraction) and, with
+        `max_staleness="auto"`, this learner's squared log-ratios by age."""
         t0 = time.perf_counter()
         self._m2_by_age.clear()  # nothing left from an update that failed part way
         result = super().update(*args, **kwargs)
@@ -341,7 +341,8 @@ class M2POTorchLearner(TorchLearner):
                 # Parts add up to the minibatch's loss; DDP averages over ranks, hence * world.
                 (loss * world if world > 1 else loss).backward()
             total = total + loss.detach()
-            self._record_m2_by_age(sub, fwd_out[LOGP], ctx, now=module.unwrapped().policy_version)
+            if cfg.auto_staleness:  # its only reader: the staleness controller
+                self._record_m2_by_age(sub, fwd_out[LOGP], ctx, now=module.unwrapped().policy_version)
         for _ in range(padding):  # a forward/backward whose gradient is zero
             pad = {k: v[:1] for k, v in mb.items()}
             (module.forward_train(pad)[LOGP].sum() * 0.0).backward()

@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro repro-tau mismatch adaptive test test-fast bench clean
+.PHONY: setup train lab repro repro-tau mismatch adaptive phase test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ adaptive: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/adaptive.yaml --out runs/adaptive/base --no-report $(ARGS)
 	$(VENV)/bin/m2po lab --space tune/spaces/adaptive_fast.yaml --out runs/adaptive/fast --no-report $(ARGS)
 	$(VENV)/bin/m2po report runs/adaptive/base runs/adaptive/fast --out runs/adaptive/report
+
+# Where each loss holds on the reasoning-length task (~70 min): no trust region, clipped GRPO
+# and M2PO (tau 0.04) over staleness {0, 64, 256} x lr {1x, 3x, 10x}, the cells cut to fit
+# listed in the space file; the report (with the map, phase_map.png) in runs/phase/report.
+phase: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/phase.yaml --out runs/phase $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

@@ -159,6 +159,16 @@ def test_stopper_stops_when_accuracy_falls_below_a_fraction_of_its_best():
     assert stopper("t", _result(8, 0.5)), "a stopped trial stays stopped"
 
 
+def test_stopper_that_only_records_lets_the_trial_train_on_and_keeps_the_first_collapse():
+    accs = [0.2, 0.4, 0.15, 0.1, 0.45]
+    stopper = CollapseStopper(accuracy_drop=0.5, grace=1, stop=False)
+    assert _run(stopper, [_result(i + 1, a) for i, a in enumerate(accs)]) is None
+    reason = stopper.reasons["t"]  # the first collapse (0.15 < 0.5 x 0.4), not overwritten by 0.1
+    assert reason["training_iteration"] == 3 and reason["value"] == 0.15 and reason["best"] == 0.4
+    with pytest.raises(ValueError, match="collapse stop"):
+        CollapseStopper(stop="no")
+
+
 def test_stopper_grace_and_min_best_keep_early_and_near_zero_noise():
     # drops inside the grace period, and drops from a best below min_best, are not collapses
     stopper = CollapseStopper(accuracy_drop=0.5, grace=3, min_best=0.05)

@@ -288,3 +288,41 @@ def test_engine_numerics_make_their_own_variants(tmp_path):
         "m2po, stale 64, tau 0.04, lr 3e-05, engine bf16",
         "m2po, stale 64, tau 0.04, lr 3e-05, engine bf16, recomputed, tis_token",
     ]
+
+
+def test_phase_map_cells_shared_on_policy_runs_and_collapses(tmp_path):
+    """The staleness x lr map: a cell's final/best are its runs' mean and std; a loss with no
+    on-policy run borrows the one loss's that has them (marked); collapsed runs are counted;
+    a single learning rate is no map."""
+    from m2po_rllib.jobs.report_plots import _phase_map
+    from m2po_rllib.jobs.runs import Run, group_variants, phase_map, phase_markdown
+
+    def run(loss, staleness, lr, seed, accs, note=""):
+        history = [{"iteration": i + 1, "policy_version": 10 * (i + 1), "heldout_accuracy": a} for i, a in enumerate(accs)]
+        settings = {"policy_loss": loss, "staleness": staleness, "m2_threshold": 0.04, "lr": lr, "seed": seed}
+        return Run(tmp_path / f"{loss}-{staleness}-{lr}-{seed}", settings, history, note)
+
+    runs = [
+        run("m2po", 0, 1e-5, 0, [0.2, 0.4]), run("m2po", 0, 1e-5, 1, [0.2, 0.5]),
+        run("m2po", 0, 3e-5, 0, [0.2, 0.6, 0.1], "collapsed: held-out accuracy 0.100 fell below"),
+        run("m2po", 256, 1e-5, 0, [0.2, 0.3]), run("m2po", 256, 3e-5, 0, [0.2, 0.35]),
+        run("grpo_no_tr", 256, 1e-5, 0, [0.2, 0.5, 0.05], "collapsed: held-out accuracy 0.050 fell below"),
+        run("grpo_no_tr", 256, 1e-5, 1, [0.2, 0.45]),
+    ]
+    pm = phase_map(group_variants(runs))
+    assert pm.staleness == [0, 256] and pm.lrs == [1e-5, 3e-5]
+    assert list(pm.panels) == ["grpo_no_tr", "m2po, tau 0.04"]
+    own = pm.panels["m2po, tau 0.04"][(0, 1e-5)]
+    assert own.shared_from is None and own.final == pytest.approx((0.45, statistics.stdev([0.4, 0.5])))
+    borrowed = pm.panels["grpo_no_tr"][(0, 1e-5)]
+    assert borrowed.shared_from == "m2po, tau 0.04" and borrowed.runs == own.runs
+    no_tr = pm.panels["grpo_no_tr"][(256, 1e-5)]
+    assert no_tr.collapsed == 1 and no_tr.final[0] == pytest.approx((0.05 + 0.45) / 2) and no_tr.best[0] == pytest.approx(0.475)
+    assert (256, 3e-5) not in pm.panels["grpo_no_tr"]
+    md = phase_markdown(pm)
+    assert "| 256 | 0.250 ± 0.283 (best 0.475), **collapsed 1/2** | - |" in md
+    assert "| 0 | 0.450 ± 0.071 (best 0.450) [on-policy runs of m2po, tau 0.04] |" in md
+    assert "0.100 (best 0.600), **collapsed 1/1** [on-policy runs of m2po, tau 0.04]" in md
+    path = _phase_map(group_variants(runs), tmp_path)
+    assert path.name == "phase_map.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert phase_map(group_variants([r for r in runs if r.settings["lr"] == 1e-5])) is None

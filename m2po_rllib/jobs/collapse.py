@@ -3,7 +3,8 @@ whose held-out accuracy fell far below its best, or whose diagnostics exploded (
 or clipped fraction, entropy, log-prob mismatch, a non-finite loss); `CollapseRecorder` (a
 `ray.tune.Callback`) writes the reason into that trial's result and `collapse.json`.
 
-A Stopper only answers yes or no; Tune hands the same result to the callbacks right after
+With `stop=False` a collapse is recorded the same way and the trial trains on (its whole
+curve, the collapse and after, stays in the experiment). A Stopper only answers yes or no; Tune hands the same result to the callbacks right after
 it (before its loggers write result.json), and "user callbacks may modify the trial result
 in place", so the recorder adds `collapse_reason` there.
 
@@ -53,6 +54,8 @@ class CollapseStopper(Stopper):
         patience: consecutive results a limit must be broken before the trial stops (one
             minibatch's M2 spikes and settles).
         time_attr: the result key reported with the reason (the trial's clock).
+        stop: stop a trial that collapsed (True) or only record the first collapse and let it
+            train on to its stop condition (False).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class CollapseStopper(Stopper):
         limits: dict[str, dict[str, float]] | None = None,
         patience: int = 1,
         time_attr: str = "training_iteration",
+        stop: bool = True,
     ):
         limits = dict(limits or {})
         for name, bounds in limits.items():
@@ -73,10 +77,12 @@ class CollapseStopper(Stopper):
                 raise ConfigError(f"collapse limit {name!r} must be a mapping with 'max' and/or 'min', got {bounds!r}")
         if accuracy_drop is not None and not 0 < accuracy_drop < 1:
             raise ConfigError(f"accuracy_drop ({accuracy_drop}) must be in (0, 1): the fraction of the best accuracy lost")
+        if not isinstance(stop, bool):
+            raise ConfigError(f"collapse stop ({stop!r}) must be true (stop a collapsed trial) or false (record only)")
         if not isinstance(patience, int) or patience < 1:
             raise ConfigError(f"patience ({patience}) must be an int >= 1")
         self.accuracy_drop, self.min_best, self.grace = accuracy_drop, min_best, grace
-        self.limits, self.patience, self.time_attr = limits, patience, time_attr
+        self.limits, self.patience, self.time_attr, self.stop = limits, patience, time_attr, stop
         self.reasons: dict[str, dict[str, Any]] = {}
         self._best: dict[str, float] = {}
         self._seen: dict[str, int] = {}
@@ -88,7 +94,7 @@ class CollapseStopper(Stopper):
         try:
             return cls(**(spec or {}))
         except TypeError as e:
-            raise ConfigError(f"collapse: {e}; valid keys: accuracy_drop, min_best, grace, limits, patience") from None
+            raise ConfigError(f"collapse: {e}; valid keys: accuracy_drop, min_best, grace, limits, patience, stop") from None
 
     def recorder(self) -> "CollapseRecorder":
         return CollapseRecorder(self)
@@ -96,7 +102,7 @@ class CollapseStopper(Stopper):
     @override(Stopper)
     def __call__(self, trial_id: str, result: dict) -> bool:
         if trial_id in self.reasons:
-            return True
+            return self.stop
         n = self._seen[trial_id] = self._seen.get(trial_id, 0) + 1
         acc = heldout_accuracy(result)
         if acc is not None:
@@ -107,7 +113,7 @@ class CollapseStopper(Stopper):
         reason.update(trial_id=trial_id, training_iteration=result.get("training_iteration"))
         reason[self.time_attr] = result.get(self.time_attr)
         self.reasons[trial_id] = reason
-        return True
+        return self.stop
 
     def _check(self, trial_id: str, result: dict, acc: float | None) -> dict | None:
         section, module = keys.LEARNER

@@ -15,7 +15,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.jobs.runs import Run, Variant, find_runs, group_variants, mean_std, updates_per_s
+from m2po_rllib.jobs.runs import (
+    Run, Variant, find_runs, group_variants, mean_std, phase_map, phase_markdown, updates_per_s,
+)
 from m2po_rllib.keys import POLICY_VERSION
 
 
@@ -103,6 +105,12 @@ def write_report(dirs: list[str], out: str | None = None) -> Path:
         markdown_table(rows),
         "",
     ]
+    pm = phase_map(variants)
+    if pm is not None:
+        md += ["## The map: final held-out accuracy by staleness x learning rate", "",
+               "Per loss, the last evaluation's held-out accuracy (mean ± std over seeds; best evaluation in "
+               "parentheses); a collapsed run's last evaluation is the one its collapse was found at.", "",
+               phase_markdown(pm), ""]
     if notes:
         md += ["Runs that ended early:", "", *[f"- {n}" for n in notes], ""]
     untrained = [note for r in runs if (note := r.untrained_note())]

@@ -10,6 +10,9 @@ one colour per variant, mean over seeds with a +-1 std band, optimizer updates o
 - m2.png: M2 (mean squared log-ratio) before (solid) and after (dashed) M2PO's mask
 - mismatch.png: the engine's log-probs against the learner's (mean |delta|), where measured
   (the mismatch check, or every round with recomputed behaviour log-probs)
+- phase_map.png (stale-k runs over >= 2 staleness levels and >= 2 learning rates): one
+  heatmap per loss, staleness x learning rate, coloured by final held-out accuracy (mean
+  over seeds), collapsed cells outlined in red with how many of their runs collapsed
 - async_bound.png (async runs): the staleness bound in force vs updates, and final
   held-out accuracy vs optimizer updates per second
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from m2po_rllib.jobs.runs import Variant, mean_std, order, updates_per_s
+from m2po_rllib.jobs.runs import Variant, mean_std, order, phase_map, updates_per_s
 from m2po_rllib.rollout.staleness import AUTO
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
@@ -192,6 +195,50 @@ def _async_bound(variants: list[Variant], out: Path):
     return path
 
 
+def _phase_map(variants: list[Variant], out: Path):
+    pm = phase_map(variants)
+    if pm is None:
+        return None
+    plt = _plt()
+    values = [c.final[0] for p in pm.panels.values() for c in p.values() if c.final[0] is not None]
+    lo, hi = min(values), max(values)
+    n = len(pm.panels)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.2, 0.9 * len(pm.staleness) + 1.6), squeeze=False,
+                             layout="constrained")
+    image = None
+    for ax, (name, cells) in zip(axes[0], pm.panels.items()):
+        grid = np.full((len(pm.staleness), len(pm.lrs)), np.nan)
+        for (s, lr), cell in cells.items():
+            if cell.final[0] is not None:
+                grid[pm.staleness.index(s), pm.lrs.index(lr)] = cell.final[0]
+        image = ax.imshow(grid, cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1e-6, aspect="auto")
+        for (s, lr), cell in cells.items():
+            (fm, fs), (bm, _) = cell.final, cell.best
+            if fm is None:
+                continue
+            i, j = pm.staleness.index(s), pm.lrs.index(lr)
+            text = f"{fm:.2f}" + (f"±{fs:.2f}" if fs is not None else "") + f"\nbest {bm:.2f}"
+            if cell.collapsed:
+                text += f"\ncollapsed {cell.collapsed}/{len(cell.runs)}"
+                ax.add_patch(plt.Rectangle((j - 0.47, i - 0.47), 0.94, 0.94, fill=False, ec="red", lw=2.5))
+            if cell.shared_from:
+                text += "\n(on-policy runs)"
+            dark = (fm - lo) / (hi - lo or 1) < 0.55
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        ax.set_xticks(range(len(pm.lrs)), [f"{lr:g}" for lr in pm.lrs])
+        ax.set_yticks(range(len(pm.staleness)), [str(s) for s in pm.staleness])
+        ax.set_xlabel("learning rate")
+        ax.set_title(name, fontsize=10)
+    axes[0][0].set_ylabel("staleness (optimizer updates)")
+    fig.colorbar(image, ax=list(axes[0]), label="final held-out accuracy", shrink=0.9)
+    fig.suptitle("final held-out accuracy by staleness x learning rate (mean over seeds; red: runs that collapsed)",
+                 fontsize=10)
+    path = out / "phase_map.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(variants: list[Variant], out: Path) -> list[Path]:
     """Write every figure that has data; return their paths."""
     n = max((len(r.history) for v in variants for r in v.runs), default=1)
@@ -218,5 +265,6 @@ def plot_all(variants: list[Variant], out: Path) -> list[Path]:
                        "engine vs learner log-probs on the generating weights", logy=True,
                        when="logp_mismatch_mean"),
         _async_bound(variants, out),
+        _phase_map(variants, out),
     ]
     return [p for p in paths if p is not None]

@@ -67,6 +67,7 @@ bench: setup
 	$(PY) bench/bench_reward.py
 	$(PY) bench/bench_engines.py
 	$(PY) bench/bench_long_answers.py
+	$(PY) bench/bench_weight_sync.py
 	$(PY) bench/bench_step.py
 	$(PY) bench/bench_async.py
 	$(PY) bench/bench_learner_memory.py

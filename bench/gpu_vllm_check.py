@@ -7,7 +7,7 @@ no hub), generation tokens/s, and weight-sync seconds by each path.
 Sync paths timed (each a full model, the served dtype, 3 repeats, median):
 - object_store: learner tensors copied to host (what `get_state` does) + `VLLMEngine.update_weights`
   (safetensors chunks through `collective_rpc`); the Ray object-store hop is not included.
-- nccl (2+ GPUs: learner on cuda:1, vLLM on cuda:0): `NCCLWeightSender` -> `RunnerGroupClient`
+- nccl (2+ GPUs: learner on cuda:1, vLLM on cuda:0): `NativeWeightSender` (backend nccl) -> `RunnerGroupClient`
   -> `VLLMEngine` (the package's NCCL path). With one GPU it is skipped: NCCL refuses two
   ranks on one device.
 - ipc (1 GPU): vLLM's CUDA-IPC backend for a learner on vLLM's own GPU, driven through the
@@ -148,7 +148,7 @@ def main() -> int:
 
     from m2po_rllib.rollout.vllm_engine import VLLMEngine
     from m2po_rllib.rollout.weight_transfer import (
-        EngineTarget, NCCLWeightSender, RunnerGroupClient, StateDictSource,
+        EngineTarget, NativeWeightSender, RunnerGroupClient, StateDictSource,
     )  # fmt: skip
 
     report = Report(Path(args.out))
@@ -212,7 +212,7 @@ def main() -> int:
             if gpu_path == "nccl":
                 client = RunnerGroupClient([EngineTarget(engine)])
                 holder = {"state": states[0]}
-                sender = NCCLWeightSender(client, lambda: holder["state"], dtype,
+                sender = NativeWeightSender(client, lambda: holder["state"], dtype, backend="nccl",
                                           master_address="127.0.0.1", master_port=free_port())  # fmt: skip
                 t0 = time.perf_counter()
                 sender.connect()

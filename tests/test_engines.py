@@ -40,7 +40,9 @@ def hf_engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_dir):
-    engine = make_engine("vllm", tiny_model_dir, kv_cache_space_gb=1)
+    # With the native receive path over gloo too (vLLM's weight-transfer API; the object-store
+    # path is unchanged by it): one engine start serves both paths' tests.
+    engine = make_engine("vllm", tiny_model_dir, kv_cache_space_gb=1, weight_transport="gloo")
     print(f"vLLM engine start: {engine.startup_seconds:.1f} s")
     yield engine
     engine.shutdown()
@@ -313,9 +315,7 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
 
 
 @pytest.mark.slow
-def test_vllm_on_cpu_syncs_through_the_object_store_only(vllm_engine, tiny_model_dir, prompt_ids):
-    from m2po_rllib.rollout.weight_transfer import NCCLWeights
-
+def test_vllm_on_cpu_syncs_through_the_object_store_or_gloo_never_nccl(vllm_engine, tiny_model_dir, prompt_ids):
     greedy = SamplingConfig(max_tokens=16, temperature=0)
     before = vllm_engine.generate(prompt_ids, greedy)
     version = vllm_engine.version
@@ -323,16 +323,56 @@ def test_vllm_on_cpu_syncs_through_the_object_store_only(vllm_engine, tiny_model
     stats = vllm_engine.last_sync_stats
     assert stats["transport"] == "object_store" and stats["chunks"] >= 1 and stats["bytes"] > 0
     assert_same(vllm_engine.generate(prompt_ids, greedy), before)  # same weights, same policy
-
-    # No NCCL on CPU: asking for it fails at once, and an NCCL notice changes nothing.
-    assert vllm_engine.nccl is None
-    with pytest.raises(RuntimeError, match="no NCCL weight path"):
-        vllm_engine.join_weight_group({"world_size": 2})
-    with pytest.raises(RuntimeError, match="without the NCCL path"):
-        vllm_engine.update_weights(NCCLWeights(["w"], ["float32"], [[1]]), version + 2)
-    assert vllm_engine.version == version + 1
+    assert vllm_engine.native.name == "gloo"
+    # No NCCL on CPU: asking for it fails at once, before vLLM starts.
     with pytest.raises(ValueError, match="`weight_transport='nccl'` needs vLLM on CUDA"):
         make_engine("vllm", tiny_model_dir, weight_transport="nccl")
+
+
+@pytest.mark.slow
+def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_versions(
+    vllm_engine, tiny_model_dir, other_model_dir, prompt_ids
+):
+    """vLLM's weight-transfer API end to end on CPU: the learner's sender (rank 0, this
+    process) opens a gloo group with the engine's worker, broadcasts another model's weights
+    in small buckets, and the engine serves exactly that model; versions only move forward,
+    and the original weights come back the same way."""
+    import socket
+
+    from m2po_rllib.rollout.weight_transfer import EngineTarget, NativeWeightSender, RunnerGroupClient
+
+    greedy = SamplingConfig(max_tokens=16, temperature=0)
+    sampled = SamplingConfig(n=2, max_tokens=16, seed=9, temperature=0.9)
+    original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
+    before = vllm_engine.generate(prompt_ids, greedy)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    holder = {"model": other}
+    client = RunnerGroupClient([EngineTarget(vllm_engine)])
+    sender = NativeWeightSender(client, lambda: holder["model"].state_dict(), vllm_engine.dtype, backend="gloo",
+                                master_address="127.0.0.1", master_port=port, bucket_bytes=50_000, timeout_s=120)
+    sender.connect()
+    try:
+        start = vllm_engine.version
+        sender.send(start + 1)
+        stats = vllm_engine.last_sync_stats
+        assert vllm_engine.version == start + 1 and stats["transport"] == "gloo"
+        tied = other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
+        expected = {n: t for n, t in other.state_dict().items() if not (tied and n == "lm_head.weight")}
+        assert stats["tensors"] == len(expected) and stats["bytes"] == sum(t.numel() * 4 for t in expected.values())
+        assert max_logprob_diff(other, prompt_ids, vllm_engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+        assert [g[0].token_ids for g in vllm_engine.generate(prompt_ids, greedy)] != [g[0].token_ids for g in before]
+
+        # A version that is not newer never reaches the collective (a skipped rank would hang it).
+        with pytest.raises(ValueError, match="not newer"):
+            sender.send(start + 1)
+        holder["model"] = original
+        sender.send(start + 2)
+        assert vllm_engine.version == start + 2
+        assert_same(vllm_engine.generate(prompt_ids, greedy), before)
+    finally:
+        sender.close()
 
 
 def test_vllm_reload_drops_only_the_rotary_warning():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from m2po_rllib.rollout.weight_transfer import (
-    NCCLWeights,
+    BroadcastWeights,
     RunnerGroupClient,
     StateDictSource,
     select_transport,
@@ -84,8 +84,8 @@ def test_update_notice_is_vllms_nccl_update_info(tied_model):
         dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
         shapes=[list(m.shape) for m in meta],
     )
-    # ... reaches a runner as NCCLWeights, and goes back to the worker unchanged.
-    notice = NCCLWeights(**asdict(info))
+    # ... reaches a runner as BroadcastWeights, and goes back to the worker unchanged.
+    notice = BroadcastWeights(**asdict(info))
     assert NCCLWeightTransferUpdateInfo(**asdict(notice)) == info
     params = sum(torch.Size(m.shape).numel() for m in meta)
     assert notice.num_bytes == 2 * params
@@ -144,3 +144,66 @@ def test_client_rejects_a_world_size_that_does_not_count_its_workers():
         client.init_weight_transfer_engine({"world_size": 2, "rank_offset": 1})
     with pytest.raises(ValueError, match="one count >= 1 per target"):
         RunnerGroupClient([object()], workers_per_target=[0])
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # a bigger tensor: a bucket of its own
+def test_gloo_receiver_cuts_the_buckets_the_sender_packs(tied_model):
+    """The gloo worker sizes each receive buffer from the names, dtypes and shapes alone: its
+    bucket plan must be exactly how vLLM's `pack_tensors` groups the same tensors."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from m2po_rllib.rollout.gloo_transfer import bucket_plan
+
+    pairs = list(StateDictSource(tied_model.state_dict, torch.float32))
+    for bucket_bytes in (1, 10_000, 200_000, 10**9):
+        it, packed = iter(pairs), []
+        while (chunk := pack_tensors(it, lambda item: item[1], bucket_bytes)) is not None:
+            packed.append((chunk.names, chunk.packed_tensor.numel()))
+        plan = bucket_plan([n for n, _ in pairs], [t.dtype for _, t in pairs], [list(t.shape) for _, t in pairs],
+                           bucket_bytes)
+        assert [[pairs[i][0] for i in b] for b in plan] == [names for names, _ in packed]
+        assert [sum(pairs[i][1].numel() * 4 for i in b) for b in plan] == [size for _, size in packed]
+    assert len(bucket_plan([n for n, _ in pairs], [t.dtype for _, t in pairs], [list(t.shape) for _, t in pairs], 1)) == len(pairs)
+
+
+def test_native_transport_names_its_vllm_backend_and_refuses_others():
+    from m2po_rllib.rollout.weight_transfer import NativeTransport, NativeWeightSender
+
+    gloo = NativeTransport("gloo")
+    assert gloo.llm_kwargs == {"weight_transfer_config": {"backend": "m2po_gloo"},
+                               "worker_extension_cls": "m2po_rllib.rollout.gloo_transfer.GlooWeightSyncExtension"}
+    assert NativeTransport("nccl").llm_kwargs == {"weight_transfer_config": {"backend": "nccl"}}
+    with pytest.raises(ValueError, match="'ipc' is not one of"):
+        NativeTransport("ipc")
+    with pytest.raises(ValueError, match="timeout_s is a setting of the gloo backend"):
+        NativeWeightSender(RunnerGroupClient([object()]), dict, torch.float32, master_address="h", master_port=1,
+                           backend="nccl", timeout_s=5)
+    assert select_transport("gloo", vllm_on_gpu=False, trainer_on_gpu=False) == "gloo"
+
+
+def test_a_runner_serving_another_layout_is_refused_before_the_group_opens(tmp_path, tied_model):
+    """The served model's names and shapes come from its config alone (meta device); a
+    learner whose tensors do not fit them is told so at connect, naming what differs."""
+    from m2po_rllib.models.tiny import build_tiny_model
+    from m2po_rllib.rollout.weight_transfer import NativeWeightSender, check_weight_layout, weight_layout
+
+    served = weight_layout(build_tiny_model(tmp_path / "same", seed=3))
+    assert served == {n: list(t.shape) for n, t in tied_model.state_dict().items()}
+    sent = {m.name: list(m.shape) for m in StateDictSource(tied_model.state_dict, torch.float32).metadata()}
+    check_weight_layout(sent, served, "runner 0")  # the same architecture fits, whatever the seed
+
+    narrower = weight_layout(build_tiny_model(tmp_path / "narrower", hidden_size=64, intermediate_size=128))
+    with pytest.raises(ValueError, match=r"shapes differ \(learner vs runner\), e.g. \['model.embed_tokens.weight"):
+        check_weight_layout(sent, narrower, "runner 1")
+
+    class Target:  # a runner whose model lacks the last layer; connect must stop before any rendezvous
+        def m2po_weight_layout(self):
+            return {n: s for n, s in served.items() if ".layers.1." not in n}
+
+        def m2po_join_weight_group(self, init_info):
+            raise AssertionError("the group must not open")
+
+    sender = NativeWeightSender(RunnerGroupClient([Target()]), tied_model.state_dict, torch.float32,
+                                backend="gloo", master_address="127.0.0.1", master_port=1)
+    with pytest.raises(ValueError, match=r"the model runner 0 serves: \d+ names it does not have, e.g. \['model.layers.1"):
+        sender.connect()

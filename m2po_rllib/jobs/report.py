@@ -109,7 +109,7 @@ def write_report(dirs: list[str], out: str | None = None) -> Path:
     if pm is not None:
         md += ["## The map: final held-out accuracy by staleness x learning rate", "",
                "Per loss, the last evaluation's held-out accuracy (mean ± std over seeds; best evaluation in "
-               "parentheses); a collapsed run's last evaluation is the one its collapse was found at.", "",
+               "parentheses); a run stopped at its collapse (the space's collapse settings, `stop: true` by default) ends at the evaluation that found it.", "",
                phase_markdown(pm), ""]
     if notes:
         md += ["Runs that ended early:", "", *[f"- {n}" for n in notes], ""]

@@ -7,12 +7,13 @@ distribution it was sampled from; greedy requests get the raw log-softmax (vLLM'
 
 Weight sync: `weight_transfer.py` holds both paths behind `WeightTransport`. A Mapping of
 tensors goes the object-store path (`ObjectStoreTransport`: safetensors chunks of at most
-`sync_chunk_bytes` through `collective_rpc`); an `NCCLWeights` notice goes vLLM's NCCL
-weight-transfer path (`NCCLTransport`, after `join_weight_group`), set up at start only when
-asked for (`weight_transport="nccl"` or "auto", on CUDA). Training does not use it yet: no
-learner-side sender is wired into `M2PO`, so the default is "object_store", and only
-`bench/gpu_vllm_check.py` (the GPU check) turns it on. The prefix cache is reset after either, since its KV
-entries were computed by the old weights; versions stay with `GenerationEngine`.
+`sync_chunk_bytes` through `collective_rpc`); a `BroadcastWeights` notice goes vLLM's native
+weight-transfer path (`NativeTransport`, after `join_weight_group`: "nccl" on CUDA, "gloo"
+anywhere), set up at start only when asked for (`weight_transport` "nccl", "gloo", or "auto"
+on CUDA). Training does not use it yet: no learner-side sender is wired into `M2PO`, so the
+default is "object_store"; `bench/gpu_vllm_check.py` (the GPU check) and the CPU protocol
+tests turn it on. The prefix cache is reset after either, since its KV entries were
+computed by the old weights; versions stay with `GenerationEngine`.
 
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core
 process or a worker process (pids recorded at start) is gone or a zombie; `generate` then
@@ -30,13 +31,13 @@ from collections.abc import Mapping
 import torch
 
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+from m2po_rllib.rollout.vllm_worker import WeightSyncExtension
 from m2po_rllib.rollout.weight_transfer import (  # noqa: F401  (serialize_weight_chunks: re-exported)
     DEFAULT_SYNC_CHUNK_BYTES,
     TRANSPORTS,
-    NCCLTransport,
-    NCCLWeights,
+    BroadcastWeights,
+    NativeTransport,
     ObjectStoreTransport,
-    WeightSyncExtension,
     serialize_weight_chunks,
 )
 
@@ -88,9 +89,9 @@ class VLLMEngine(GenerationEngine):
         - `kv_cache_space_gb`: CPU KV-cache size, exported as VLLM_CPU_KVCACHE_SPACE unless
           that is already set.
         - `sync_chunk_bytes`: most tensor bytes per weight-sync RPC (object-store path).
-        - `weight_transport`: "object_store" (default: the path training uses) never sets
-          up NCCL; "auto" enables the NCCL receive path on CUDA, "nccl" requires CUDA (the
-          GPU check's; no learner-side sender is wired into training yet).
+        - `weight_transport`: "object_store" (default: the path training uses) sets up no
+          native receive path; "auto" enables the NCCL one on CUDA, "nccl" requires CUDA,
+          "gloo" works anywhere (no learner-side sender is wired into training yet).
         - `shutdown_timeout_s`: how long `shutdown()` lets the engine core tear down before
           killing it (vLLM's own default, 5 s, is too short on a busy CPU and leaks its
           shared memory; a clean exit takes ~7 s there).
@@ -113,9 +114,12 @@ class VLLMEngine(GenerationEngine):
                 f"`weight_transport='nccl'` needs vLLM on CUDA (platform: {current_platform.device_type}); "
                 "use 'auto' or 'object_store'"
             )
-        self.nccl = NCCLTransport() if on_cuda and weight_transport != "object_store" else None
-        if self.nccl is not None:
-            llm_kwargs = {**NCCLTransport.LLM_KWARGS, **llm_kwargs}
+        native = {"auto": "nccl" if on_cuda else None, "object_store": None}.get(weight_transport, weight_transport)
+        self.native = NativeTransport(native) if native else None
+        extension = f"{WeightSyncExtension.__module__}.WeightSyncExtension"
+        if self.native is not None:
+            llm_kwargs = {**self.native.llm_kwargs, **llm_kwargs}
+            extension = llm_kwargs.pop("worker_extension_cls", extension)
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gb)))
             if num_threads is not None:
@@ -135,10 +139,11 @@ class VLLMEngine(GenerationEngine):
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             seed=seed,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{WeightSyncExtension.__module__}.WeightSyncExtension",
+            worker_extension_cls=extension,
             **llm_kwargs,
         )
         self.startup_seconds = time.perf_counter() - started
+        self.model_path = model_path
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._core_processes = list(self._engine_manager_processes())
@@ -218,21 +223,21 @@ class VLLMEngine(GenerationEngine):
         return self._call(self.llm.collective_rpc, method, args=args, kwargs=kwargs)
 
     def join_weight_group(self, init_info: dict) -> None:
-        """Joins the learner's NCCL weight-transfer group (`NCCLWeightSender.connect`)."""
+        """Joins the learner's weight-transfer group (`NativeWeightSender.connect`)."""
         self._check_alive()
-        if self.nccl is None:
+        if self.native is None:
             raise RuntimeError(
-                "this VLLMEngine has no NCCL weight path (it needs vLLM on CUDA and "
-                "weight_transport 'auto' or 'nccl')"
+                "this VLLMEngine has no native weight path: build it with weight_transport "
+                "'gloo', or 'nccl' / 'auto' on CUDA"
             )
-        self.nccl.join(self, init_info)
+        self.native.join(self, init_info)
 
-    def _load_weights(self, weights: Mapping[str, torch.Tensor] | NCCLWeights) -> None:
+    def _load_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights) -> None:
         self._check_alive()
-        if isinstance(weights, NCCLWeights):
-            if self.nccl is None:
-                raise RuntimeError("an NCCL weight sync reached a VLLMEngine without the NCCL path")
-            transport = self.nccl
+        if isinstance(weights, BroadcastWeights):
+            if self.native is None:
+                raise RuntimeError("a native weight sync reached a VLLMEngine without the native path")
+            transport = self.native
         else:
             transport = self.object_store
         stats = transport.load(self, weights, self.dtype)

@@ -1,22 +1,25 @@
 """How the learner's weights reach the vLLM workers: `WeightTransport` and its two paths.
 
-- `ObjectStoreTransport` ("object_store"; CPU, and the fallback everywhere): the tensors reach
-  the EnvRunner through RLlib's `sync_weights` (the Ray object store), are cast to the served
-  dtype, packed into safetensors byte strings of at most `chunk_bytes` each and sent with
-  `collective_rpc` to `WeightSyncExtension` in every vLLM worker (a copy per hop over vLLM's
-  ZMQ socket). One layerwise-reload session spans all chunks, so fused or repacked kernel
-  weights are rebuilt once, whole.
-- `NCCLTransport` ("nccl"; learner and vLLM on different GPUs): vLLM 0.32's weight-transfer
-  engine (`LLM(weight_transfer_config={"backend": "nccl"})`). The learner is rank 0 of an
-  NCCL group whose other ranks are the vLLM workers of every EnvRunner (`NCCLWeightSender`,
-  around vLLM's `NCCLTrainerWeightTransferEngine`); it broadcasts the tensors GPU to GPU
-  while each runner, sent only their names, dtypes and shapes (`NCCLWeights`), receives them
-  inside `start_weight_update` / `update_weights` / `finish_weight_update`. NCCL refuses two
-  ranks on one GPU, so a learner sharing a GPU with vLLM keeps the object-store path.
+- `ObjectStoreTransport` ("object_store"; the CPU default, and the fallback everywhere): the
+  tensors reach the EnvRunner through the Ray object store (`PublishedWeights`), are cast
+  to the served dtype, packed into safetensors byte strings of at most `chunk_bytes` each
+  and sent with `collective_rpc` to `WeightSyncExtension` (`vllm_worker.py`) in every vLLM worker (a copy per
+  hop over vLLM's ZMQ socket). One layerwise-reload session spans all chunks, so fused or
+  repacked kernel weights are rebuilt once, whole.
+- `NativeTransport` (vLLM 0.32's weight-transfer API, `LLM(weight_transfer_config=...)`):
+  the learner is rank 0 of a group whose other ranks are the vLLM workers of every
+  EnvRunner (`NativeWeightSender`, around vLLM's trainer engine); it broadcasts the tensors
+  in buckets while each runner, sent only their names, dtypes and shapes
+  (`BroadcastWeights`), receives them inside `start_weight_update` / `update_weights` /
+  `finish_weight_update`. Backend "nccl" (vLLM's, GPU to GPU; NCCL refuses two ranks on
+  one GPU, so a learner sharing a GPU with vLLM keeps the object-store path) or "gloo"
+  (`gloo_transfer.py`: the same protocol over a gloo group, registered with vLLM as
+  "m2po_gloo"; any machine, and how the protocol is tested on CPU).
 
 `select_transport` picks one ("auto": nccl when both sides are on CUDA and on different
-GPUs). Versions stay with `GenerationEngine.update_weights`; a collective cannot skip a rank,
-so the sender only ever broadcasts a version newer than any before (see `NCCLWeightSender`).
+GPUs, else object_store). Versions stay with `GenerationEngine.update_weights`; a collective
+cannot skip a rank, so the sender only ever broadcasts a version newer than any before (see
+`NativeWeightSender`).
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 DEFAULT_SYNC_CHUNK_BYTES = 256 * 2**20
-TRANSPORTS = ("auto", "object_store", "nccl")
+TRANSPORTS = ("auto", "object_store", "nccl", "gloo")
+NATIVE_BACKENDS = {"nccl": "nccl", "gloo": "m2po_gloo"}  # transport -> vLLM's weight_transfer_config backend
 
 
 def select_transport(requested: str, *, vllm_on_gpu: bool, trainer_on_gpu: bool, shared_gpu: bool = False) -> str:
-    """The transport a weight sync uses: "object_store" or "nccl"."""
+    """The transport a weight sync uses: "object_store", "nccl" or "gloo" (vLLM's native API
+    over gloo: any machine; on GPUs it moves every tensor through host memory)."""
     if requested not in TRANSPORTS:
         raise ValueError(f"weight transport {requested!r} is not one of {TRANSPORTS}")
     nccl_ok = vllm_on_gpu and trainer_on_gpu and not shared_gpu
@@ -45,7 +50,7 @@ def select_transport(requested: str, *, vllm_on_gpu: bool, trainer_on_gpu: bool,
             if shared_gpu
             else f"it needs CUDA on both sides (vLLM on GPU: {vllm_on_gpu}, learner on GPU: {trainer_on_gpu})"
         )
-        raise ValueError(f"weight transport 'nccl' cannot be used: {why}; use 'object_store' or 'auto'")
+        raise ValueError(f"weight transport 'nccl' cannot be used: {why}; use 'object_store', 'gloo' or 'auto'")
     if requested == "auto":
         return "nccl" if nccl_ok else "object_store"
     return requested
@@ -71,48 +76,6 @@ class WeightTransport(abc.ABC):
 
 
 # --- the object-store path ------------------------------------------------------------------
-
-
-class WeightSyncExtension:
-    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run in the worker
-    process through `LLM.collective_rpc`. Prefixed names keep clear of the worker's own."""
-
-    def m2po_pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-    def m2po_start_weight_sync(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        from m2po_rllib.log_filters import quiet_vllm_rotary_reload
-
-        quiet_vllm_rotary_reload()
-
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-
-    def m2po_load_weight_chunk(self, payload: bytes) -> int:
-        """Loads one safetensors-serialised chunk; returns how many tensors it held."""
-        from safetensors.torch import load
-        from vllm.config import set_current_vllm_config
-
-        tensors = load(payload)
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(iter(tensors.items()))
-        return len(tensors)
-
-    def m2po_finish_weight_sync(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
-        # What `model_runner.reload_weights` also drops: state derived from the old weights.
-        for reset in ("reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(self.model_runner, reset):
-                getattr(self.model_runner, reset)()
 
 
 def serialize_weight_chunks(
@@ -172,13 +135,14 @@ class ObjectStoreTransport(WeightTransport):
         return {"seconds": time.perf_counter() - started, "bytes": num_bytes, "chunks": num_chunks}
 
 
-# --- the NCCL path --------------------------------------------------------------------------
+# --- the native path (vLLM's weight-transfer API) ---------------------------------------------
 
 
 @dataclass(frozen=True)
-class NCCLWeights:
-    """What a runner receives for one NCCL sync: the tensors the learner is broadcasting, by
-    name, dtype and shape (vLLM's `NCCLWeightTransferUpdateInfo`)."""
+class BroadcastWeights:
+    """What a runner receives for one native sync: the tensors the learner is broadcasting, by
+    name, dtype and shape (vLLM's `NCCLWeightTransferUpdateInfo`, which the gloo engine
+    takes too)."""
 
     names: list[str]
     dtype_names: list[str]
@@ -191,17 +155,28 @@ class NCCLWeights:
         )
 
 
-class NCCLTransport(WeightTransport):
-    """Payload: `NCCLWeights`; the bytes arrive by NCCL broadcast from `NCCLWeightSender`."""
+class NativeTransport(WeightTransport):
+    """Payload: `BroadcastWeights`; the bytes arrive by broadcast from `NativeWeightSender`."""
 
-    name = "nccl"
-    LLM_KWARGS: ClassVar[dict] = {"weight_transfer_config": {"backend": "nccl"}}
+    def __init__(self, name: str):
+        if name not in NATIVE_BACKENDS:
+            raise ValueError(f"native weight transport {name!r} is not one of {sorted(NATIVE_BACKENDS)}")
+        self.name = name
+
+    @property
+    def llm_kwargs(self) -> dict:
+        """What `vllm.LLM` needs to build the receive path (the gloo engine is registered by
+        the worker extension module, which each vLLM worker imports before loading the model)."""
+        kwargs: dict = {"weight_transfer_config": {"backend": NATIVE_BACKENDS[self.name]}}
+        if self.name == "gloo":
+            kwargs["worker_extension_cls"] = "m2po_rllib.rollout.gloo_transfer.GlooWeightSyncExtension"
+        return kwargs
 
     def join(self, workers: VLLMWorkers, init_info: dict) -> None:
-        """Joins the learner's NCCL group (blocks until every rank has joined)."""
+        """Joins the learner's group (blocks until every rank has joined)."""
         workers.rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
-    def load(self, workers: VLLMWorkers, payload: NCCLWeights, dtype: torch.dtype) -> dict[str, float]:
+    def load(self, workers: VLLMWorkers, payload: BroadcastWeights, dtype: torch.dtype) -> dict[str, float]:
         started = time.perf_counter()
         workers.rpc("start_weight_update")
         try:
@@ -243,11 +218,38 @@ class StateDictSource:
             yield name, t.to(self._wire_dtype(t)).contiguous()
 
 
+def weight_layout(model_path: str) -> dict[str, list[int]]:
+    """Parameter names and shapes of the HF model at `model_path`, from its config alone (built
+    on the meta device: no weights read, no memory): what a runner serves."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_weight_layout(sent: Mapping[str, list[int]], served: Mapping[str, list[int]], who: str) -> None:
+    """ValueError naming the first disagreements when a runner's model has not every tensor
+    the learner sends, with the same shape (a native sync would hang or load garbage)."""
+    missing = [n for n in sent if n not in served]
+    shapes = [f"{n} {list(sent[n])} vs {list(served[n])}" for n in sent if n in served and list(sent[n]) != list(served[n])]
+    if missing or shapes:
+        raise ValueError(
+            f"the learner's weights do not fit the model {who} serves: "
+            + "; ".join(p for p in (
+                f"{len(missing)} names it does not have, e.g. {missing[:3]}" if missing else "",
+                f"{len(shapes)} shapes differ (learner vs runner), e.g. {shapes[:3]}" if shapes else "",
+            ) if p)
+            + "; point the learner and the runners at the same model (rl_module model_config 'model')"
+        )
+
+
 class RunnerGroupClient:
     """vLLM's `VLLMWeightSyncClient` (a structural protocol) over EnvRunners.
 
-    Each target is a Ray actor handle or a local object with two methods:
-    `m2po_join_weight_group(init_info)` and `m2po_receive_weights(update_info, version)`
+    Each target is a Ray actor handle or a local object with three methods:
+    `m2po_weight_layout()`, `m2po_join_weight_group(init_info)` and
+    `m2po_receive_weights(update_info, version)`
     (`EngineTarget` gives them to a `VLLMEngine`). Target k holds `workers_per_target[k]`
     vLLM workers (its tensor-parallel size) at ranks after those of targets 0..k-1; the
     learner is rank 0. A whole round is one call per target, made in `update_weights`, which
@@ -287,9 +289,14 @@ class RunnerGroupClient:
             futures = [pool.submit(getattr(t, method), *a) for t, a in zip(self.targets, per_target_args)]
             return [f.result() for f in futures]
 
+    def check_layouts(self, sent: Mapping[str, list[int]]) -> None:
+        """Each target's served parameter layout against what the learner will send."""
+        for k, layout in enumerate(self._call_all("m2po_weight_layout", [()] * len(self.targets))):
+            check_weight_layout(sent, layout, f"runner {k}")
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         if init_info["world_size"] != self.world_size:
-            raise ValueError(f"NCCL world_size {init_info['world_size']} != 1 learner + {self.world_size - 1} workers")
+            raise ValueError(f"weight group world_size {init_info['world_size']} != 1 learner + {self.world_size - 1} workers")
         args = [({**init_info, "rank_offset": off},) for off in self.rank_offsets()]
         self._call_all("m2po_join_weight_group", args)
 
@@ -298,7 +305,7 @@ class RunnerGroupClient:
 
     def update_weights(self, update_info: dict) -> None:
         if self.version is None:
-            raise RuntimeError("RunnerGroupClient.version is unset: NCCLWeightSender.send sets it")
+            raise RuntimeError("RunnerGroupClient.version is unset: NativeWeightSender.send sets it")
         self._call_all("m2po_receive_weights", [(update_info, self.version)] * len(self.targets))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -311,15 +318,19 @@ class EngineTarget:
     def __init__(self, engine):
         self.engine = engine
 
+    def m2po_weight_layout(self) -> dict[str, list[int]]:
+        return weight_layout(self.engine.model_path)
+
     def m2po_join_weight_group(self, init_info: dict) -> None:
         self.engine.join_weight_group(init_info)
 
     def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
-        return self.engine.update_weights(NCCLWeights(**update_info), version)
+        return self.engine.update_weights(BroadcastWeights(**update_info), version)
 
 
-class NCCLWeightSender:
-    """The learner's side of `NCCLTransport`: rank 0 of the group, on its own GPU."""
+class NativeWeightSender:
+    """The learner's side of `NativeTransport`: rank 0 of the group ("nccl": on its own GPU;
+    "gloo": anywhere). `bucket_bytes`: bytes per broadcast bucket (None: vLLM's default)."""
 
     def __init__(
         self,
@@ -329,27 +340,45 @@ class NCCLWeightSender:
         *,
         master_address: str,
         master_port: int,
-        packed: bool = True,
+        backend: str = "nccl",
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
     ):
+        if backend not in NATIVE_BACKENDS:
+            raise ValueError(f"native weight transport {backend!r} is not one of {sorted(NATIVE_BACKENDS)}")
         self.client = client
         self.source = StateDictSource(state_fn, dtype)
-        self.init = dict(master_address=master_address, master_port=master_port, packed=packed)
+        self.backend = backend
+        self.init: dict[str, Any] = dict(master_address=master_address, master_port=master_port)
+        if bucket_bytes is not None:
+            self.init["packed_buffer_size_bytes"] = int(bucket_bytes)
+        if timeout_s is not None:
+            if backend != "gloo":
+                raise ValueError("timeout_s is a setting of the gloo backend")
+            self.init["timeout_s"] = float(timeout_s)
         self._engine = None
         self._sent_version: int | None = None
 
     def connect(self) -> None:
-        """Opens the group with every runner's workers (they join concurrently)."""
+        """Checks that every runner serves a model with the tensors about to be sent, then
+        opens the group with every runner's workers (they join concurrently)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        info = NCCLTrainerInitInfo(**self.init, world_size=self.client.world_size, rank=0)
+        self.client.check_layouts({m.name: list(m.shape) for m in self.source.metadata()})
+        if self.backend == "gloo":
+            from m2po_rllib.rollout.gloo_transfer import GlooTrainerInitInfo as InitInfo
+        else:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
+
+            self.init.setdefault("packed", True)
+        info = InitInfo(**self.init, world_size=self.client.world_size, rank=0)
         self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def send(self, version: int) -> dict[str, float]:
         """Broadcasts the current weights as `version` (must be newer than the last sent: a
         runner that skipped a stale version would leave the collective hanging)."""
         if self._engine is None:
-            raise RuntimeError("NCCLWeightSender.connect() must run before send()")
+            raise RuntimeError("NativeWeightSender.connect() must run before send()")
         if self._sent_version is not None and version <= self._sent_version:
             raise ValueError(f"version {version} is not newer than the last one sent ({self._sent_version})")
         started = time.perf_counter()

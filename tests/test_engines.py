@@ -345,13 +345,15 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
     sampled = SamplingConfig(n=2, max_tokens=16, seed=9, temperature=0.9)
     original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
     before = vllm_engine.generate(prompt_ids, greedy)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
     holder = {"model": other}
     client = RunnerGroupClient([EngineTarget(vllm_engine)])
     sender = NativeWeightSender(client, lambda: holder["model"].state_dict(), vllm_engine.dtype, backend="gloo",
-                                master_address="127.0.0.1", master_port=port, bucket_bytes=50_000, timeout_s=120)
+                                master_address="127.0.0.1", master_port=free_port(), bucket_bytes=50_000, timeout_s=120)
     sender.connect()
     try:
         start = vllm_engine.version
@@ -373,6 +375,29 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
         assert_same(vllm_engine.generate(prompt_ids, greedy), before)
     finally:
         sender.close()
+
+    # A learner that reconnects (a new group) with delta rounds: a full round first, then only
+    # what changed moves; an unchanged round moves the version alone (no collective), and the
+    # policy is the learner's throughout.
+    delta = NativeWeightSender(client, lambda: holder["model"].state_dict(), vllm_engine.dtype, backend="gloo",
+                               master_address="127.0.0.1", master_port=free_port(), only_changed=True, timeout_s=120)
+    delta.connect()
+    try:
+        delta.send(start + 3)
+        assert vllm_engine.last_sync_stats["tensors"] == len(expected)  # a new group: everything once
+        delta.send(start + 4)
+        assert vllm_engine.version == start + 4 and vllm_engine.last_sync_stats["tensors"] == 0
+        with torch.no_grad():
+            original.model.norm.weight.mul_(2.0)
+        delta.send(start + 5)
+        assert vllm_engine.last_sync_stats["tensors"] == 1 and vllm_engine.last_sync_stats["bytes"] == 4 * original.model.norm.weight.numel()
+        assert max_logprob_diff(original, prompt_ids, vllm_engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+        with torch.no_grad():
+            original.model.norm.weight.mul_(0.5)
+        delta.send(start + 6)
+        assert_same(vllm_engine.generate(prompt_ids, greedy), before)
+    finally:
+        delta.close()
 
 
 def test_vllm_reload_drops_only_the_rotary_warning():

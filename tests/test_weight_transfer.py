@@ -207,3 +207,39 @@ def test_a_runner_serving_another_layout_is_refused_before_the_group_opens(tmp_p
                                 backend="gloo", master_address="127.0.0.1", master_port=1)
     with pytest.raises(ValueError, match=r"the model runner 0 serves: \d+ names it does not have, e.g. \['model.layers.1"):
         sender.connect()
+
+
+def test_only_changed_rounds_declare_and_yield_what_changed_since_the_last_commit(tied_model):
+    """The sender's delta rounds: all tensors first, then only those whose wire value changed
+    since the last committed round; a failed round (no commit) is declared again; reset sends
+    everything; metadata and iteration always agree (what vLLM checks)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    model = tied_model
+    source = StateDictSource(model.state_dict, torch.bfloat16, only_changed=True)
+
+    def round_names():
+        meta = source.metadata()
+        return [n for n, _ in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)]
+
+    everything = list(source.layout())
+    assert round_names() == everything
+    source.commit()
+    assert round_names() == []  # nothing changed
+    source.commit()
+    layer = model.model.layers[0].mlp.up_proj.weight
+    saved = layer.detach().clone()
+    with torch.no_grad():
+        layer.add_(1e-5)  # below bf16's resolution for most entries, not all: still a change
+        changed_in_bf16 = not torch.equal(layer.to(torch.bfloat16), saved.to(torch.bfloat16))
+        model.model.norm.weight.add_(0.5)
+    expected = (["model.layers.0.mlp.up_proj.weight"] if changed_in_bf16 else []) + ["model.norm.weight"]
+    assert round_names() == expected
+    assert round_names() == expected  # not committed (a failed send): declared again
+    source.commit()
+    assert round_names() == []
+    source.reset()
+    assert round_names() == everything
+    with torch.no_grad():
+        layer.copy_(saved)
+        model.model.norm.weight.sub_(0.5)

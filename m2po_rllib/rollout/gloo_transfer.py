@@ -110,6 +110,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
         self.bucket_bytes = init_info.packed_buffer_size_bytes
+        self.shutdown()  # a learner that reconnects (runners joined or restarted): a new group
         self.group = _open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                  init_info.timeout_s)
 

@@ -238,6 +238,9 @@ class VLLMEngine(GenerationEngine):
             if self.native is None:
                 raise RuntimeError("a native weight sync reached a VLLMEngine without the native path")
             transport = self.native
+            if not weights.names:  # a delta round in which nothing changed: only the version moves
+                self.last_sync_stats = {"seconds": 0.0, "bytes": 0, "tensors": 0, "transport": transport.name}
+                return
         else:
             transport = self.object_store
         stats = transport.load(self, weights, self.dtype)

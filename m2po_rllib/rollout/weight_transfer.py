@@ -190,11 +190,22 @@ class NativeTransport(WeightTransport):
 class StateDictSource:
     """The learner's weights as a vLLM `WeightSource` (duck-typed: `metadata()` and a fresh
     pass per round): floating tensors cast to the served dtype on their own device. A tensor
-    sharing storage with an earlier one (tied `lm_head`) is not sent: vLLM ties it itself."""
+    sharing storage with an earlier one (tied `lm_head`) is not sent: vLLM ties it itself.
 
-    def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]], dtype: torch.dtype):
+    With `only_changed`, a round declares and yields only the tensors whose wire value
+    differs from the last committed round's (exact comparison against a copy of what was
+    sent, kept on the CPU: one more copy of the model in the served dtype); `commit()`
+    after a round every receiver got makes it the reference, `reset()` (a runner that
+    joined or restarted) sends everything again. Frozen parameters, and tensors a small
+    update leaves unchanged in a low-precision served dtype, then cost nothing."""
+
+    def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]], dtype: torch.dtype,
+                 only_changed: bool = False):
         self.state_fn = state_fn
         self.dtype = dtype
+        self.only_changed = only_changed
+        self._sent: dict[str, torch.Tensor] = {}  # committed wire values (only_changed)
+        self._round: dict[str, torch.Tensor] | None = None  # this round's changed tensors
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         seen = set()
@@ -208,14 +219,44 @@ class StateDictSource:
     def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if t.is_floating_point() else t.dtype
 
+    def _wire(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._tensors():
+            yield name, t.to(self._wire_dtype(t)).contiguous()
+
+    def layout(self) -> dict[str, list[int]]:
+        """Every tensor a full round sends, by name: its shape."""
+        return {n: list(t.shape) for n, t in self._tensors()}
+
     def metadata(self) -> list:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, self._wire_dtype(t), tuple(t.shape)) for n, t in self._tensors()]
+        if not self.only_changed:
+            return [ParamMeta(n, self._wire_dtype(t), tuple(t.shape)) for n, t in self._tensors()]
+        self._round = {}
+        for name, t in self._wire():
+            last = self._sent.get(name)
+            if last is None or last.shape != t.shape or not torch.equal(last, t.cpu()):
+                self._round[name] = t
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._round.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self._tensors():
-            yield name, t.to(self._wire_dtype(t)).contiguous()
+        if not self.only_changed:
+            yield from self._wire()
+            return
+        if self._round is None:
+            raise RuntimeError("StateDictSource(only_changed=True): metadata() declares a round before it is iterated")
+        yield from self._round.items()
+
+    def commit(self) -> None:
+        """Every receiver has this round: it becomes the reference for the next."""
+        if self.only_changed and self._round is not None:
+            self._sent.update({n: t.detach().to("cpu", copy=True) for n, t in self._round.items()})
+            self._round = None
+
+    def reset(self) -> None:
+        """The next round sends every tensor (a receiver joined or restarted)."""
+        self._sent.clear()
+        self._round = None
 
 
 def weight_layout(model_path: str) -> dict[str, list[int]]:
@@ -330,7 +371,9 @@ class EngineTarget:
 
 class NativeWeightSender:
     """The learner's side of `NativeTransport`: rank 0 of the group ("nccl": on its own GPU;
-    "gloo": anywhere). `bucket_bytes`: bytes per broadcast bucket (None: vLLM's default)."""
+    "gloo": anywhere). `bucket_bytes`: bytes per broadcast bucket (None: the backend's
+    default); `only_changed`: send only the tensors that changed since the last sync every
+    runner received (`StateDictSource`)."""
 
     def __init__(
         self,
@@ -343,11 +386,12 @@ class NativeWeightSender:
         backend: str = "nccl",
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
+        only_changed: bool = False,
     ):
         if backend not in NATIVE_BACKENDS:
             raise ValueError(f"native weight transport {backend!r} is not one of {sorted(NATIVE_BACKENDS)}")
         self.client = client
-        self.source = StateDictSource(state_fn, dtype)
+        self.source = StateDictSource(state_fn, dtype, only_changed=only_changed)
         self.backend = backend
         self.init: dict[str, Any] = dict(master_address=master_address, master_port=master_port)
         if bucket_bytes is not None:
@@ -364,7 +408,8 @@ class NativeWeightSender:
         opens the group with every runner's workers (they join concurrently)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        self.client.check_layouts({m.name: list(m.shape) for m in self.source.metadata()})
+        self.client.check_layouts(self.source.layout())
+        self.source.reset()  # a new group: every receiver gets everything first
         if self.backend == "gloo":
             from m2po_rllib.rollout.gloo_transfer import GlooTrainerInitInfo as InitInfo
         else:
@@ -383,7 +428,12 @@ class NativeWeightSender:
             raise ValueError(f"version {version} is not newer than the last one sent ({self._sent_version})")
         started = time.perf_counter()
         self.client.version = version
-        self._engine.send_weights()
+        try:
+            self._engine.send_weights()
+        except BaseException:
+            self.source.reset()  # who got what is unknown: everything goes next time
+            raise
+        self.source.commit()
         self._sent_version = version
         return {"seconds": time.perf_counter() - started, "version": version}
 

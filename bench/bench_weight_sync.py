@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import tempfile
@@ -97,12 +98,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     models = [("builtin:arith-tiny", resolve_model_path("builtin:arith-tiny"))]
-    if not args.skip_150m:
-        standin = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-sync-")) / "standin-150m", seed=0,
-                                   **STANDIN_150M)
-        models.append(("150M stand-in", standin))
-    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "repeats": args.repeats,
-               "models": [bench_model(name, path, args.repeats, args.bucket_bytes) for name, path in models]}
+    tmp = tempfile.mkdtemp(prefix="bench-sync-")
+    try:
+        if not args.skip_150m:
+            models.append(("150M stand-in", build_tiny_model(Path(tmp) / "standin-150m", seed=0, **STANDIN_150M)))
+        results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "repeats": args.repeats,
+                   "models": [bench_model(name, path, args.repeats, args.bucket_bytes) for name, path in models]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'model':20s} {'params':>8s} | {'object store':>22s} | {'native (gloo)':>22s} | connect")
     for r in results["models"]:
         s, n = r["object_store"], r["gloo_native"]

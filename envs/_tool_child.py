@@ -13,7 +13,8 @@ Protocol, one JSON object per line: the parent writes {"tool": "calculator" | "p
 "input": str} to stdin; the child answers {"status": "ok" | "error", "output": str} after
 first announcing {"ready": true}. The child exits at end of stdin.
 
-argv: memory_limit_mb (address space; 0 = none).
+argv: memory_limit_mb (address space; 0 = none), cpu_limit_s (this process's CPU seconds, a
+backstop for an orphaned child: the parent recycles children long before).
 """
 
 import ast
@@ -28,7 +29,6 @@ MAX_CHARS = 1000
 MAX_NODES = 400
 MAX_BITS = 20_000  # ~6000 decimal digits: any number past it is refused before it is computed
 MAX_ITEMS = 1000
-_CPU_LIMIT_S = 600  # backstop for an orphaned child; the parent's deadline acts first
 
 
 class ToolError(Exception):
@@ -194,9 +194,13 @@ def evaluate(text: str, tool: str):
                         return False
                     left = right
                 return True
-            if isinstance(node, ast.BoolOp):
-                values = (ev(v) for v in node.values)
-                return all(values) if isinstance(node.op, ast.And) else any(values)
+            if isinstance(node, ast.BoolOp):  # Python's: the deciding operand, not a bool
+                value = None
+                for v in node.values:
+                    value = ev(v)
+                    if bool(value) != isinstance(node.op, ast.And):
+                        break
+                return value
             if isinstance(node, ast.IfExp):
                 return ev(node.body) if ev(node.test) else ev(node.orelse)
             if isinstance(node, (ast.Tuple, ast.List)):
@@ -218,7 +222,13 @@ def render(value) -> str:
     if isinstance(value, Fraction):
         if value.denominator == 1:
             return str(value.numerator)
-        text = f"{float(value):.12g}"
+        try:
+            approx = float(value)
+        except OverflowError:
+            approx = 0.0
+        if approx == 0.0:  # past a float's range: exact only
+            return f"{value.numerator}/{value.denominator}"
+        text = f"{approx:.12g}"
         return text if Fraction(text) == value else f"{value.numerator}/{value.denominator} (~{text})"
     if isinstance(value, float):
         return f"{value:.12g}"
@@ -252,9 +262,10 @@ def main() -> None:
 
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
-    memory_limit_mb = int(sys.argv[1])
+    memory_limit_mb, cpu_limit_s = int(sys.argv[1]), int(sys.argv[2])
+    sys.set_int_max_str_digits(0)  # numbers are bounded by MAX_BITS (~6000 digits) before they exist
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (_CPU_LIMIT_S, _CPU_LIMIT_S))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit_s, cpu_limit_s))
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no file is written
     if memory_limit_mb > 0:
         limit = memory_limit_mb << 20

@@ -10,7 +10,8 @@ names, attributes, imports or files are reachable, and numbers past ~6000 digits
 refused before they are computed. The parent waits at most `time_limit_s`, then kills and
 replaces the child. Every outcome is a `ToolResult` (ok, error or timeout) whose
 `observation` is what the env shows the policy; nothing raises into the caller or blocks
-past the deadline. Thread-safe (one child, one call at a time).
+past the deadline. Thread-safe: one child serves one call at a time, so concurrent callers
+wait for each other (each call's own time limit starts when it is sent).
 
     sandbox = ToolSandbox()
     sandbox.run("calculator", "12345 * 6789").observation   # '<result>83810205</result>'
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
-import select
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -79,29 +81,37 @@ class ToolSandbox:
 
     # -- the child ---------------------------------------------------------------------------
     def _start(self) -> subprocess.Popen:
+        os.makedirs(self._dir, exist_ok=True)
+        # The child's own CPU backstop: every call it may serve, at the time limit each.
+        cpu_s = math.ceil(self.time_limit_s * self.max_calls_per_child) + 30
         child = subprocess.Popen(
-            [sys.executable, "-I", _CHILD_SCRIPT, str(self.memory_limit_mb)],
+            [sys.executable, "-I", _CHILD_SCRIPT, str(self.memory_limit_mb), str(cpu_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self._dir,
             env={"PATH": os.environ.get("PATH", ""), "LC_ALL": "C.UTF-8"},
         )
-        hello = self._read(child, deadline=time.monotonic() + 60.0)
+        try:
+            hello = self._read(child, deadline=time.monotonic() + 15.0)
+        except ValueError:  # not JSON
+            hello = None
         if not (hello or {}).get("ready"):
             self._kill(child)
-            raise RuntimeError(f"the tool sandbox's child did not start: {hello!r}")
+            raise RuntimeError(f"the child did not start ({hello!r})")
         return child
 
     @staticmethod
     def _read(child: subprocess.Popen, deadline: float) -> dict | None:
         """One JSON line from the child, or None at the deadline or if it died."""
         line = b""
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([child.stdout], [], [], left)[0]:
-                return None
-            chunk = os.read(child.stdout.fileno(), 1 << 16)
-            if not chunk:
-                return None
-            line += chunk
+        with selectors.DefaultSelector() as sel:  # not select(): file descriptors past 1024 are common
+            sel.register(child.stdout, selectors.EVENT_READ)
+            while not line.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+                chunk = os.read(child.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    return None
+                line += chunk
         return json.loads(line)
 
     def _kill(self, child: subprocess.Popen | None) -> None:
@@ -124,41 +134,48 @@ class ToolSandbox:
     # -- calls -------------------------------------------------------------------------------
     def run(self, tool: str, text: str) -> ToolResult:
         """Evaluates `text` with `tool` ("calculator" or "python")."""
-        self.metrics["tool/calls"] += 1
-        if tool not in TOOLS:
-            return self._error(f"unknown tool {tool!r}; the tools are {', '.join(TOOLS)}")
-        if not isinstance(text, str):
-            return self._error(f"the tool input must be text, got {type(text).__name__}")
-        if len(text) > MAX_INPUT_CHARS:
-            return self._error(f"input longer than {MAX_INPUT_CHARS} characters")
         with self._lock:
-            if self._child is None or self._child.poll() is not None:
-                if self._child is not None:
-                    self._replace()
-                self._child = self._start()
+            self.metrics["tool/calls"] += 1
+            if tool not in TOOLS:
+                return self._error(f"unknown tool {tool!r}; the tools are {', '.join(TOOLS)}")
+            if not isinstance(text, str):
+                return self._error(f"the tool input must be text, got {type(text).__name__}")
+            if len(text) > MAX_INPUT_CHARS:
+                return self._error(f"input longer than {MAX_INPUT_CHARS} characters")
+            return self._call(tool, text)
+
+    def _call(self, tool: str, text: str) -> ToolResult:
+        if self._child is not None and self._child.poll() is not None:
+            self._replace()  # died since the last call
+        if self._child is None:
             try:
-                self._child.stdin.write(json.dumps({"tool": tool, "input": text}).encode() + b"\n")
-                self._child.stdin.flush()
-                reply = self._read(self._child, time.monotonic() + self.time_limit_s)
-            except (BrokenPipeError, OSError, ValueError):
-                reply = None
-            if reply is None:
-                timed_out = self._child.poll() is None
-                self._replace()
-                if timed_out:
-                    self.metrics["tool/timeouts"] += 1
-                    self.metrics["tool/errors"] += 1
-                    return ToolResult("timeout", f"the tool took longer than {self.time_limit_s:g} s")
-                return self._error("the tool crashed (memory limit?)")
-            self._served += 1
-            if self._served >= self.max_calls_per_child:
-                self._replace()
+                self._child = self._start()
+            except (OSError, RuntimeError) as e:
+                return self._error(f"the tool sandbox could not start: {e}")
+        try:
+            self._child.stdin.write(json.dumps({"tool": tool, "input": text}).encode() + b"\n")
+            self._child.stdin.flush()
+            reply = self._read(self._child, time.monotonic() + self.time_limit_s)
+        except (OSError, ValueError):  # a broken pipe, or a reply that is not JSON
+            reply = None
+        if reply is None:
+            # Killed either way, so that a late answer is never read as the next call's.
+            timed_out = self._child.poll() is None
+            self._replace()
+            if timed_out:
+                self.metrics["tool/timeouts"] += 1
+                self.metrics["tool/errors"] += 1
+                return ToolResult("timeout", f"the tool took longer than {self.time_limit_s:g} s")
+            return self._error("the tool crashed (memory limit?)")
+        self._served += 1
+        if self._served >= self.max_calls_per_child:
+            self._replace()
         if reply.get("status") != "ok":
             return self._error(str(reply.get("output", "error")))
-        return ToolResult("ok", str(reply["output"]))
+        return ToolResult("ok", str(reply.get("output", "")))
 
     def _error(self, message: str) -> ToolResult:
-        self.metrics["tool/errors"] += 1
+        self.metrics["tool/errors"] += 1  # callers hold the lock
         return ToolResult("error", message)
 
     def close(self) -> None:

@@ -392,9 +392,20 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
         delta.send(start + 5)
         assert vllm_engine.last_sync_stats["tensors"] == 1 and vllm_engine.last_sync_stats["bytes"] == 4 * original.model.norm.weight.numel()
         assert max_logprob_diff(original, prompt_ids, vllm_engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+        # One projection of a fused layer (vLLM loads up_proj with gate_proj as gate_up_proj):
+        # the whole decoder layer goes, so the part left unchanged is not lost in the reload.
+        up = original.model.layers[0].mlp.up_proj.weight
+        saved = up.detach().clone()
         with torch.no_grad():
             original.model.norm.weight.mul_(0.5)
+            up.mul_(1.5)
         delta.send(start + 6)
+        layer0 = [n for n in expected if n.startswith("model.layers.0.")]
+        assert vllm_engine.last_sync_stats["tensors"] == len(layer0) + 1
+        assert max_logprob_diff(original, prompt_ids, vllm_engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+        with torch.no_grad():
+            up.copy_(saved)
+        delta.send(start + 7)
         assert_same(vllm_engine.generate(prompt_ids, greedy), before)
     finally:
         delta.close()

@@ -35,6 +35,10 @@ def sandbox():
         ("python", "round(2.675, 2)", "2.68"),
         ("python", "sum((1, 2, 3)) if len([1, 2]) == 2 else 0", "6"),
         ("python", "(1, 2.5)", "(1, 2.5)"),
+        ("python", "0 or 5", "5"),  # Python's and / or: the deciding operand
+        ("python", "3 and 0", "0"),
+        ("calculator", "10 ** 5000 // 7", ("142857" * 834)[:5000]),  # past str()'s default 4300 digits
+        ("calculator", "1 / 10 ** 400", "1/1" + "0" * 400),  # beyond a float: exact
     ],
 )
 def test_answers_are_exact(sandbox, tool, text, output):

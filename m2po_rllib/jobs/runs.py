@@ -235,13 +235,15 @@ class PhaseMap:
 
 def phase_map(variants: list[Variant]) -> PhaseMap | None:
     """The stale-k variants as a staleness x learning-rate map per loss (and tau), or None when
-    they do not span at least two staleness levels and two learning rates. A panel with no
+    they do not span at least two staleness levels and two learning rates (runs without a
+    held-out evaluation or a learning rate do not count). A panel with no
     run at staleness 0 for a learning rate borrows the on-policy runs of the one panel that
     has them (a space may run on-policy once when the losses coincide there, e.g. with one
     optimizer update per step every ratio is 1); the cell says whose they are."""
-    cells = [v for v in variants if v.key[1] == "stale-k" and v.key[5] is None and isinstance(v.key[2], int)]
+    cells = [v for v in variants if v.key[1] == "stale-k" and v.key[5] is None and isinstance(v.key[2], int)
+             and v.key[4] is not None and any(r.final is not None for r in v.runs)]
     staleness = sorted({v.key[2] for v in cells})
-    lrs = sorted({v.key[4] for v in cells if v.key[4] is not None})
+    lrs = sorted({v.key[4] for v in cells})
     if len(staleness) < 2 or len(lrs) < 2:
         return None
     panels: dict[str, dict[tuple[int, float], PhaseCell]] = {}

@@ -190,11 +190,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             world_size=init_info.world_size, packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
             timeout_s=init_info.timeout_s,
         )
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the workers block in the rendezvous too
+        pool = ThreadPoolExecutor(max_workers=1)  # the workers block in the rendezvous too
+        try:
             joined = pool.submit(engine.client.init_weight_transfer_engine, asdict(worker_info))
             engine.group = _open_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                                        init_info.timeout_s)
             joined.result()
+        except BaseException:
+            engine.shutdown()  # frees the store's port; workers still waiting time out on their own
+            raise
+        finally:
+            pool.shutdown(wait=False)
         return engine
 
     def send_weights(self) -> None:

@@ -232,19 +232,35 @@ class VLLMEngine(GenerationEngine):
             )
         self.native.join(self, init_info)
 
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights, version: int) -> bool:
+        """As `GenerationEngine.update_weights`, except that a native sync is always received:
+        the learner is broadcasting it, and a rank that stayed out would hang the collective.
+        The version then only moves forward (an engine that got a newer version another
+        way, e.g. a checkpoint restore, keeps it)."""
+        if not isinstance(weights, BroadcastWeights):
+            return super().update_weights(weights, version)
+        self._load_weights(weights)
+        self._version = max(self._version, version)
+        return True
+
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights) -> None:
         self._check_alive()
-        if isinstance(weights, BroadcastWeights):
-            if self.native is None:
-                raise RuntimeError("a native weight sync reached a VLLMEngine without the native path")
-            transport = self.native
-            if not weights.names:  # a delta round in which nothing changed: only the version moves
-                self.last_sync_stats = {"seconds": 0.0, "bytes": 0, "tensors": 0, "transport": transport.name}
-                return
+        if not isinstance(weights, BroadcastWeights):
+            stats = self.object_store.load(self, weights, self.dtype)
+        elif self.native is None:
+            raise RuntimeError("a native weight sync reached a VLLMEngine without the native path")
+        elif not weights.names:  # a delta round in which nothing changed: only the version moves
+            self.last_sync_stats = {"seconds": 0.0, "bytes": 0, "tensors": 0, "transport": self.native.name}
+            return
         else:
-            transport = self.object_store
-        stats = transport.load(self, weights, self.dtype)
+            try:
+                stats = self.native.load(self, weights, self.dtype)
+            except Exception as e:
+                # The worker's layerwise reload did not finish: layers may be left unloaded.
+                self._dead_reason = f"a {self.native.name} weight sync failed part way ({type(e).__name__}: {e})"
+                raise EngineDeadError(f"vLLM engine unusable: {self._dead_reason}; build a new one") from e
         self._call(self.llm.reset_prefix_cache)
+        transport = self.native if isinstance(weights, BroadcastWeights) else self.object_store
         self.last_sync_stats = {**stats, "transport": transport.name}
 
     # --- lifecycle ------------------------------------------------------------------------

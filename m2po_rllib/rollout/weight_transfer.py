@@ -179,12 +179,20 @@ class NativeTransport(WeightTransport):
     def load(self, workers: VLLMWorkers, payload: BroadcastWeights, dtype: torch.dtype) -> dict[str, float]:
         started = time.perf_counter()
         workers.rpc("start_weight_update")
-        try:
-            workers.rpc("update_weights", kwargs={"update_info": asdict(payload)})
-        finally:
-            if workers.is_healthy():
-                workers.rpc("finish_weight_update")
+        # No finish after a failed receive: vLLM closed the update already, and its error is the one to see.
+        workers.rpc("update_weights", kwargs={"update_info": asdict(payload)})
+        workers.rpc("finish_weight_update")
         return {"seconds": time.perf_counter() - started, "bytes": payload.num_bytes, "tensors": len(payload.names)}
+
+
+def delta_unit(name: str) -> str:
+    """The smallest group of tensors a delta sync sends together: up to the first numeric
+    part of the name (a decoder layer, `model.layers.3`), else the parameter's module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name.rsplit(".", 1)[0]
 
 
 class StateDictSource:
@@ -192,12 +200,15 @@ class StateDictSource:
     pass per round): floating tensors cast to the served dtype on their own device. A tensor
     sharing storage with an earlier one (tied `lm_head`) is not sent: vLLM ties it itself.
 
-    With `only_changed`, a round declares and yields only the tensors whose wire value
-    differs from the last committed round's (exact comparison against a copy of what was
-    sent, kept on the CPU: one more copy of the model in the served dtype); `commit()`
-    after a round every receiver got makes it the reference, `reset()` (a runner that
-    joined or restarted) sends everything again. Frozen parameters, and tensors a small
-    update leaves unchanged in a low-precision served dtype, then cost nothing."""
+    With `only_changed`, a round declares and yields only the units (`delta_unit`: a
+    decoder layer, or a top-level module) holding a tensor whose wire value differs from
+    the last committed round's, every tensor of such a unit: vLLM's layerwise reload
+    rebuilds a fused layer (q/k/v, gate/up) from what one sync loaded, so a part left out
+    would come back uninitialised. The comparison is exact, against a copy of what was sent
+    kept on the CPU (one more copy of the model in the served dtype; the round's cast
+    tensors stay on the learner's device until sent). `commit()` after a round every
+    receiver got makes it the reference, `reset()` (a runner joined or restarted, or a
+    send failed) sends everything again. Frozen layers then cost nothing."""
 
     def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]], dtype: torch.dtype,
                  only_changed: bool = False):
@@ -232,11 +243,13 @@ class StateDictSource:
 
         if not self.only_changed:
             return [ParamMeta(n, self._wire_dtype(t), tuple(t.shape)) for n, t in self._tensors()]
-        self._round = {}
-        for name, t in self._wire():
-            last = self._sent.get(name)
-            if last is None or last.shape != t.shape or not torch.equal(last, t.cpu()):
-                self._round[name] = t
+        wire = dict(self._wire())
+        changed = {
+            delta_unit(name) for name, t in wire.items()
+            if (last := self._sent.get(name)) is None or last.shape != t.shape or not torch.equal(last, t.cpu())
+        }
+        # whole units: vLLM rebuilds a fused layer (qkv, gate_up) from what one sync loaded
+        self._round = {n: t for n, t in wire.items() if delta_unit(n) in changed}
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._round.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -408,8 +421,10 @@ class NativeWeightSender:
         opens the group with every runner's workers (they join concurrently)."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        self.close()
         self.client.check_layouts(self.source.layout())
         self.source.reset()  # a new group: every receiver gets everything first
+        self._sent_version = None
         if self.backend == "gloo":
             from m2po_rllib.rollout.gloo_transfer import GlooTrainerInitInfo as InitInfo
         else:
@@ -431,7 +446,10 @@ class NativeWeightSender:
         try:
             self._engine.send_weights()
         except BaseException:
-            self.source.reset()  # who got what is unknown: everything goes next time
+            # Who got what is unknown, and peers may be part way through a bucket: the group
+            # is closed (connect() again) and the next round sends everything.
+            self.source.reset()
+            self.close()
             raise
         self.source.commit()
         self._sent_version = version

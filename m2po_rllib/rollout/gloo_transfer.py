@@ -135,10 +135,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             for bucket in bucket_plan(update_info.names, dtypes, update_info.shapes, self.bucket_bytes):
                 buf = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
                 _broadcast(self.group, buf)
-                self.model.load_weights(unpack_tensor(
+                tensors = unpack_tensor(
                     buf, [update_info.names[i] for i in bucket], [update_info.shapes[i] for i in bucket],
                     [dtypes[i] for i in bucket], [sizes[i] for i in bucket],
-                ))
+                )
+                self.model.load_weights(tensors)
 
     def shutdown(self) -> None:
         if self.group is not None:

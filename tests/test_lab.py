@@ -34,6 +34,27 @@ def _space(tmp_path: Path, model_dir: str, **space) -> Path:
     return path
 
 
+def test_the_phase_map_space_is_the_cells_its_header_lists():
+    """`make phase`: 1x / 3x / 10x of the task config's lr; staleness 0 once per lr (M2PO);
+    every loss at 256 for every lr and at 64 for 1x / 3x; a second seed at 3x for 0 and 256;
+    one update per step (so staleness-0 ratios are 1); 1 CPU and 320 updates per trial."""
+    space = load_space(REPO / "tune" / "spaces" / "phase.yaml")
+    base_lr = yaml.safe_load((REPO / "configs" / "column_add.yaml").read_text())["training"]["lr"]
+    lrs = [round(base_lr * k, 12) for k in (1, 3, 10)]
+    cells = {(t.config.seed, t.config.staleness, t.config.policy_loss, round(t.config.lr, 12)) for t in space.trials}
+    losses = ("grpo_no_tr", "grpo", "m2po")
+    expected = (
+        {(0, 0, "m2po", lr) for lr in lrs}
+        | {(0, 256, loss, lr) for loss in losses for lr in lrs}
+        | {(0, 64, loss, lr) for loss in losses for lr in lrs[:2]}
+        | {(1, 0, "m2po", lrs[1])} | {(1, 256, loss, lrs[1]) for loss in losses}
+    )
+    assert len(space.trials) == len(cells) == 22 and cells == expected
+    assert {t.config.updates_per_step for t in space.trials} == {1} and space.stop == {"policy_version": 320}
+    assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
+    assert {t.config.m2_threshold for t in space.trials} == {0.04}
+
+
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):
     space = load_space(REPO / "tune" / "spaces" / name)

@@ -155,7 +155,10 @@ def test_async_bound_holds_with_random_runner_delays(ray_session, tiny_model_dir
                 gaps.append(result["rollout/logp_mismatch_max"])
         assert gaps and min(gaps) > 1e-3  # the bf16 engine's gap, measured on every trained step
         assert max(ages) <= 5 and max(ages) > 1  # within the bound, and stale (on-policy: 1)
-        assert np.median(generate_s) > 0.1  # the rounds waited (generating 4 tokens takes ~10 ms)
+        # the rounds waited (generating 4 tokens takes ~10 ms); an iteration that collected no
+        # new round (a slow machine) reports NaN
+        measured = [g for g in generate_s if not np.isnan(g)]
+        assert len(measured) >= 4 and np.median(measured) > 0.1
         ids = np.concatenate(seen)
         assert sorted(ids.tolist()) == list(range(len(ids)))  # every sample trained once
         assert algo.policy_version == 16

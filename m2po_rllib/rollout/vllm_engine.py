@@ -245,22 +245,22 @@ class VLLMEngine(GenerationEngine):
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights) -> None:
         self._check_alive()
-        if not isinstance(weights, BroadcastWeights):
-            stats = self.object_store.load(self, weights, self.dtype)
-        elif self.native is None:
+        native = isinstance(weights, BroadcastWeights)
+        transport = self.native if native else self.object_store
+        if transport is None:
             raise RuntimeError("a native weight sync reached a VLLMEngine without the native path")
-        elif not weights.names:  # a delta round in which nothing changed: only the version moves
-            self.last_sync_stats = {"seconds": 0.0, "bytes": 0, "tensors": 0, "transport": self.native.name}
+        if native and not weights.names:  # a delta round in which nothing changed: only the version moves
+            self.last_sync_stats = {"seconds": 0.0, "bytes": 0, "tensors": 0, "transport": transport.name}
             return
-        else:
-            try:
-                stats = self.native.load(self, weights, self.dtype)
-            except Exception as e:
-                # The worker's layerwise reload did not finish: layers may be left unloaded.
-                self._dead_reason = f"a {self.native.name} weight sync failed part way ({type(e).__name__}: {e})"
-                raise EngineDeadError(f"vLLM engine unusable: {self._dead_reason}; build a new one") from e
+        try:
+            stats = transport.load(self, weights, self.dtype)
+        except Exception as e:
+            if not native:
+                raise
+            # The worker's layerwise reload did not finish: layers may be left unloaded.
+            self._dead_reason = f"a {transport.name} weight sync failed part way ({type(e).__name__}: {e})"
+            raise EngineDeadError(f"vLLM engine unusable: {self._dead_reason}; build a new one") from e
         self._call(self.llm.reset_prefix_cache)
-        transport = self.native if isinstance(weights, BroadcastWeights) else self.object_store
         self.last_sync_stats = {**stats, "transport": transport.name}
 
     # --- lifecycle ------------------------------------------------------------------------

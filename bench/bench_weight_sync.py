@@ -2,7 +2,8 @@
 path (safetensors chunks over `collective_rpc`, what training uses today) and vLLM's native
 weight-transfer API over gloo (`NativeWeightSender`, rank 0 in this process, the vLLM worker
 receiving in its own), for the built-in model (0.8M parameters) and a 150M-parameter
-stand-in (random weights, Qwen2 layout). Prints a table and writes
+stand-in (random weights, Qwen2 layout), and the native path's `only_changed` rounds (nothing
+changed, one decoder layer changed, every weight moved). Prints a table and writes
 bench/results/weight_sync.json.
 
     python bench/bench_weight_sync.py [--repeats 3] [--skip-150m]
@@ -19,11 +20,12 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from m2po_rllib.net import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -32,18 +34,12 @@ STANDIN_150M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=
                     num_key_value_heads=8)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_model(name: str, model_dir: str, repeats: int, bucket_bytes: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from m2po_rllib.rollout.engine import make_engine
-    from m2po_rllib.rollout.weight_transfer import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
@@ -74,6 +70,7 @@ def bench_model(name: str, model_dir: str, repeats: int, bucket_bytes: int) -> d
             native_bytes = engine.last_sync_stats["bytes"]
         finally:
             sender.close()
+        delta = bench_delta(engine, model, version, bucket_bytes)
     finally:
         engine.shutdown()
     return {
@@ -81,7 +78,46 @@ def bench_model(name: str, model_dir: str, repeats: int, bucket_bytes: int) -> d
         "object_store": {"seconds": statistics.median(store_s), "bytes": store_bytes, "all_s": store_s},
         "gloo_native": {"seconds": statistics.median(native_s), "bytes": native_bytes, "connect_s": connect_s,
                         "bucket_bytes": bucket_bytes, "all_s": native_s},
+        "gloo_only_changed": delta,
     }
+
+
+def bench_delta(engine, model, version: int, bucket_bytes: int) -> dict:
+    """`only_changed` rounds after a whole one: nothing changed, one decoder layer changed
+    (a frozen trunk, or a layer-wise schedule), and every weight moved by a small step (a
+    full fine-tuning update: the comparison is paid and everything is sent anyway)."""
+    import torch
+
+    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
+
+    sender = NativeWeightSender(RunnerGroupClient([EngineTarget(engine)]), model.state_dict, engine.dtype,
+                                backend="gloo", master_address="127.0.0.1", master_port=free_port(),
+                                bucket_bytes=bucket_bytes, only_changed=True)
+    out = {}
+    try:
+        sender.connect()
+        version += 1
+        sender.send(version)  # the reference round (whole)
+
+        def timed(label):
+            nonlocal version
+            version += 1
+            start = time.perf_counter()
+            sender.send(version)
+            out[label] = {"seconds": time.perf_counter() - start, "bytes": engine.last_sync_stats["bytes"],
+                          "tensors": engine.last_sync_stats["tensors"]}
+
+        timed("unchanged")
+        with torch.no_grad():
+            model.model.layers[-1].mlp.down_proj.weight.mul_(1.001)
+        timed("one_layer")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.001)
+        timed("all")
+    finally:
+        sender.close()
+    return out
 
 
 def main() -> None:
@@ -111,6 +147,11 @@ def main() -> None:
         s, n = r["object_store"], r["gloo_native"]
         print(f"{r['model']:20s} {r['params'] / 1e6:7.1f}M | {s['seconds']:7.3f} s {s['bytes'] / 1e6:9.1f} MB | "
               f"{n['seconds']:7.3f} s {n['bytes'] / 1e6:9.1f} MB | {n['connect_s']:.2f} s")
+    print(f"{'only_changed':20s} {'':8s} | {'unchanged':>22s} | {'one layer':>22s} | {'all moved':>22s}")
+    for r in results["models"]:
+        d = r["gloo_only_changed"]
+        print(f"{r['model']:20s} {'':8s} | " + " | ".join(
+            f"{d[k]['seconds']:7.3f} s {d[k]['bytes'] / 1e6:9.1f} MB" for k in ("unchanged", "one_layer", "all")))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -2,9 +2,11 @@
 # The first short GPU run (<= 8 minutes on one H200), from the repo root of a bare machine:
 #   bash bench/gpu_check.sh [--dry-run]
 # Installs the GPU extras unless vllm already imports, then writes under ${OUT:-bench/results/gpu}:
-#   nvidia-smi.txt, vllm.json/.log (bench/gpu_vllm_check.py: 0.5B-shaped vLLM, tokens/s, weight
-#   sync seconds by object store vs NCCL/IPC), learner.json/.log (bench/gpu_learner_check.py,
-#   if that file exists). --dry-run prints the steps without running them.
+#   nvidia-smi.txt, vllm.json/.log (bench/gpu_vllm_check.py: a 1.5B-shaped model in vLLM, the
+#   runner engine's tokens/s against raw vLLM generate, weight-sync seconds by the object store
+#   and the native path: NCCL with 2+ GPUs, gloo with one), learner.json/.log
+#   (bench/gpu_learner_check.py), then prints one table and writes bench/results/gpu.json
+#   (bench/gpu_summary.py). --dry-run prints the steps without running them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -15,7 +17,7 @@ if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
 else PY=python3; fi
 # Seconds per step; the whole run stays under 8 minutes even when every step hits its cap.
-INSTALL_S=150 VLLM_S=210 LEARNER_S=100
+INSTALL_S=120 VLLM_S=260 LEARNER_S=90
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a time cap, logs to $OUT/NAME.log
   local name=$1 seconds=$2; shift 2
@@ -46,5 +48,6 @@ if [[ -f bench/gpu_learner_check.py ]]; then
 else
   echo "[gpu_check] bench/gpu_learner_check.py not present: skipped"
 fi
-echo "[gpu_check] done (status $status); results in $OUT"
+step summary 10 "$PY" bench/gpu_summary.py "$OUT" --out bench/results/gpu.json || status=1
+echo "[gpu_check] done (status $status); results in $OUT and bench/results/gpu.json"
 exit $status

@@ -1,5 +1,6 @@
-"""First GPU check of the rollout side: vLLM on a random Qwen2-0.5B-shaped model (built here,
-no hub), generation tokens/s, and weight-sync seconds by each path.
+"""GPU check of the rollout side: vLLM on a random Qwen2.5-1.5B-shaped model (built here, no
+hub; `--model 0.5b` for Qwen2-0.5B's shapes), generation tokens/s through the runner's engine
+(`VLLMEngine.generate`) against raw `LLM.generate`, and weight-sync seconds by each path.
 
     python bench/gpu_vllm_check.py --out bench/results/gpu/vllm.json
     python bench/gpu_vllm_check.py --dry-run --out /tmp/vllm.json   # CPU: a tiny model, object store only
@@ -7,11 +8,11 @@ no hub), generation tokens/s, and weight-sync seconds by each path.
 Sync paths timed (each a full model, the served dtype, 3 repeats, median):
 - object_store: learner tensors copied to host (what `get_state` does) + `VLLMEngine.update_weights`
   (safetensors chunks through `collective_rpc`); the Ray object-store hop is not included.
-- nccl (2+ GPUs: learner on cuda:1, vLLM on cuda:0): `NativeWeightSender` (backend nccl) -> `RunnerGroupClient`
-  -> `VLLMEngine` (the package's NCCL path). With one GPU it is skipped: NCCL refuses two
-  ranks on one device.
-- ipc (1 GPU): vLLM's CUDA-IPC backend for a learner on vLLM's own GPU, driven through the
-  same start/update/finish RPCs (what a colocated learner could use; not wired into runs).
+- native, the path `weight_sync="native"` trains with: `NativeWeightSender` -> `RunnerGroupClient`
+  -> `VLLMEngine`; backend nccl with 2+ GPUs (learner on cuda:1, vLLM on cuda:0), gloo with
+  one (NCCL refuses two ranks on one device; what `weight_sync_backend="auto"` picks for a
+  learner sharing vLLM's GPU) and on CPU (--dry-run). Timed whole, and as a delta round
+  (`only_changed`) after a change to one decoder layer.
 After each path's first sync the greedy outputs are compared with the object-store ones.
 The JSON is rewritten after every stage, so a run cut short still reports what it measured.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,6 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Qwen2.5-1.5B's shapes (1.54B parameters, tied embeddings).
+QWEN25_15B = dict(
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+    tie_word_embeddings=True, rope_theta=1_000_000.0,
+)  # fmt: skip
 # Qwen2-0.5B's shapes (494M parameters, tied embeddings).
 QWEN2_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -62,12 +68,6 @@ def build_model(path: Path, shapes: dict, seed: int, device: str, dtype):
     return model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Report:
     def __init__(self, path: Path):
         self.path, self.data = path, {}
@@ -88,16 +88,28 @@ def greedy_tokens(engine, prompts, max_tokens):
 
 
 def bench_generate(engine, prompts, max_tokens):
+    """Raw `LLM.generate` and the runner's `VLLMEngine.generate` (token ids, per-token
+    behaviour log-probs, processed_logprobs) on the same requests."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, seed=0)
+    from m2po_rllib.rollout.engine import SamplingConfig
+
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, detokenize=False, seed=0)
     requests = [{"prompt_token_ids": p} for p in prompts]
     engine.llm.generate(requests[:4], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = engine.llm.generate(requests, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompts": len(prompts), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    raw_s = time.perf_counter() - t0
+    raw_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=max_tokens, seed=0)
+    engine.generate(prompts[:4], sampling)  # warm-up (the log-prob path)
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, sampling)
+    runner_s = time.perf_counter() - t0
+    runner_tokens = sum(len(g[0].token_ids) for g in groups)
+    return {"prompts": len(prompts), "raw_tokens": raw_tokens, "raw_s": raw_s, "raw_tokens_per_s": raw_tokens / raw_s,
+            "runner_tokens": runner_tokens, "runner_s": runner_s, "runner_tokens_per_s": runner_tokens / runner_s,
+            "runner_vs_raw": (runner_tokens / runner_s) / (raw_tokens / raw_s)}
 
 
 def timed_syncs(sync, states, start_version, repeats=3):
@@ -110,34 +122,11 @@ def timed_syncs(sync, states, start_version, repeats=3):
     return {"seconds": times, "median_s": statistics.median(times)}
 
 
-class EngineClient:
-    """vLLM's weight-sync client protocol straight onto one local VLLMEngine (the ipc path)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def init_weight_transfer_engine(self, init_info):
-        self.engine.rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    def start_weight_update(self):
-        self.engine.rpc("start_weight_update")
-
-    def update_weights(self, update_info):
-        from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
-
-        # IPC handles pickled to a string, as vLLM's HTTP client does (needs
-        # VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine, set before it starts).
-        self.engine.rpc("update_weights", kwargs={"update_info": _json_safe_update_payload(update_info)})
-
-    def finish_weight_update(self, weight_version=None):
-        self.engine.rpc("finish_weight_update")
-        self.engine.llm.reset_prefix_cache()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/gpu/vllm.json")
-    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, object-store path only")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, object store and gloo")
+    p.add_argument("--model", choices=("1.5b", "0.5b"), default="1.5b", help="the random model's shapes (GPU)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
@@ -147,9 +136,8 @@ def main() -> int:
     import torch
 
     from m2po_rllib.rollout.vllm_engine import VLLMEngine
-    from m2po_rllib.rollout.weight_transfer import (
-        EngineTarget, NativeWeightSender, RunnerGroupClient, StateDictSource,
-    )  # fmt: skip
+    from m2po_rllib.net import free_port
+    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     report = Report(Path(args.out))
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -158,7 +146,7 @@ def main() -> int:
         report.set("error", "no CUDA device; run with --dry-run on CPU")
         return 2
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = QWEN2_05B if cuda else TINY
+    shapes = (QWEN25_15B if args.model == "1.5b" else QWEN2_05B) if cuda else TINY
     if args.dry_run:
         torch.set_num_threads(1)
         args.prompts, args.max_tokens = min(args.prompts, 8), min(args.max_tokens, 8)
@@ -176,16 +164,11 @@ def main() -> int:
     report.set("model", {"params": sum(p.numel() for p in learner_a.parameters()), "dtype": str(dtype),
                          "build_s": time.perf_counter() - t0})  # fmt: skip
 
-    gpu_path = "nccl" if gpus > 1 else ("ipc" if cuda else None)
-    llm_kwargs = {}
-    if gpu_path == "ipc":
-        llm_kwargs["weight_transfer_config"] = {"backend": "ipc"}
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    native = "nccl" if gpus > 1 else "gloo"
     engine = VLLMEngine(
         str(tmp / "a"), dtype="bfloat16" if cuda else "float32", max_model_len=min(1024, shapes["max_position_embeddings"]),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=True if args.enforce_eager else None,
-        weight_transport="auto" if gpu_path == "nccl" else "object_store", **llm_kwargs,
+        enforce_eager=True if args.enforce_eager else None, weight_transport=native,
     )  # fmt: skip
     report.set("vllm_start_s", engine.startup_seconds)
     prompts = [[(7 * i + j) % 90 + 4 for j in range(32)] for i in range(args.prompts)]
@@ -204,48 +187,45 @@ def main() -> int:
     agree = {"weights_change_output": object_store_b != before}
     report.set("sync", sync)
 
-    if gpu_path is None:
-        sync["gpu_path"] = {"skipped": "no CUDA (dry run)"}
-    else:
-        try:
+    try:
+        if cuda:
             torch.cuda.set_device(torch.device(trainer_device))
-            if gpu_path == "nccl":
-                client = RunnerGroupClient([EngineTarget(engine)])
-                holder = {"state": states[0]}
-                sender = NativeWeightSender(client, lambda: holder["state"], dtype, backend="nccl",
-                                          master_address="127.0.0.1", master_port=free_port())  # fmt: skip
-                t0 = time.perf_counter()
-                sender.connect()
-                connect_s = time.perf_counter() - t0
+        holder = {"state": states[0]}
+        client = RunnerGroupClient([EngineTarget(engine)])
+        sender = NativeWeightSender(client, lambda: holder["state"], dtype, backend=native,
+                                    master_address="127.0.0.1", master_port=free_port())  # fmt: skip
+        t0 = time.perf_counter()
+        sender.connect()
+        connect_s = time.perf_counter() - t0
 
-                def gpu_sync(state, version):
-                    holder["state"] = state
-                    sender.send(version)
-            else:
-                from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-                from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        def native_sync(state, version):
+            holder["state"] = state
+            sender.send(version)
 
-                holder = {"state": states[0]}
-                source = StateDictSource(lambda: holder["state"], dtype)
-                t0 = time.perf_counter()
-                trainer = WeightTransferTrainerFactory.trainer_init(
-                    IPCTrainerInitInfo(rank=0), client=EngineClient(engine), source=source
-                )
-                connect_s = time.perf_counter() - t0
-
-                def gpu_sync(state, version):
-                    holder["state"] = state
-                    trainer.send_weights()
-
-            gpu_sync(states[0], 20)
-            agree[f"{gpu_path}_matches_object_store"] = greedy_tokens(engine, probe, 16) == object_store_b
-            sync[gpu_path] = {"connect_s": connect_s, **timed_syncs(gpu_sync, states, 21)}
-            gpu_sync(states[1], 30)
-            agree[f"{gpu_path}_round_trip_restores_output"] = greedy_tokens(engine, probe, 16) == before
-        except Exception as e:  # a figure, not a test: record what failed and keep the rest
-            sync[gpu_path] = {"error": f"{type(e).__name__}: {e}"}
-        if gpus < 2:
-            sync["nccl"] = {"skipped": f"{gpus} GPU: NCCL refuses two ranks on one device"}
+        native_sync(states[0], 20)
+        agree[f"{native}_matches_object_store"] = greedy_tokens(engine, probe, 16) == object_store_b
+        sync[native] = {"connect_s": connect_s, **timed_syncs(native_sync, states, 21),
+                        "bytes": client.last_update["bytes"]}
+        native_sync(states[1], 30)
+        agree[f"{native}_round_trip_restores_output"] = greedy_tokens(engine, probe, 16) == before
+        sender.close()
+        # a delta round: one decoder layer changed since the last sync
+        delta = NativeWeightSender(client, lambda: holder["state"], dtype, backend=native, only_changed=True,
+                                   master_address="127.0.0.1", master_port=free_port())  # fmt: skip
+        delta.connect()
+        delta.send(40)  # whole: the reference
+        changed = dict(states[1])
+        layer = next(n for n in changed if ".layers.0." in n and n.endswith("weight"))
+        changed[layer] = changed[layer] + 1
+        holder["state"] = changed
+        t0 = time.perf_counter()
+        delta.send(41)
+        sync[f"{native}_delta_one_layer"] = {"seconds": time.perf_counter() - t0, "bytes": client.last_update["bytes"]}
+        delta.close()
+    except Exception as e:  # a figure, not a test: record what failed and keep the rest
+        sync[native] = {"error": f"{type(e).__name__}: {e}"}
+    if gpus == 1:
+        sync["nccl"] = {"skipped": "1 GPU: NCCL refuses two ranks on one device (gloo measured instead)"}
     report.set("sync", sync)
     report.set("agree", agree)
     engine.shutdown()

@@ -147,6 +147,20 @@ class M2POConfig(AlgorithmConfig):
         # on CPU; see README).
         self.rollout_engine = "auto"
         self.engine_kwargs = {}
+        # How the learner's weights reach the runners' engines (rollout/weight_transfer.py):
+        # "object_store" (every runner fetches one `ray.put` of them and loads it through its
+        # engine; any engine, any machine) or "native" (vLLM's weight-transfer API: the first
+        # learner broadcasts to every runner's vLLM workers after each update that publishes;
+        # remote vLLM runners only). `weight_sync_backend`: the native group's, "auto" (NCCL
+        # when the learners and the runners have GPUs, else gloo), "nccl" or "gloo";
+        # `weight_sync_bucket_bytes`: bytes per broadcast bucket (None: the backend's, 64 MiB
+        # for gloo); `weight_sync_only_changed`: send only the decoder layers / modules whose
+        # served-dtype values changed since the last sync (frozen or unchanged parts cost
+        # nothing; the learner keeps one more copy of the model on its CPU to compare).
+        self.weight_sync = "object_store"
+        self.weight_sync_backend = "auto"
+        self.weight_sync_bucket_bytes = None
+        self.weight_sync_only_changed = False
         self.temperature = 1.0
         # Truncated sampling, vLLM's rule (m2po_rllib.truncation): the learner replays it,
         # so on-policy ratios stay 1. top_p = 1 and top_k = 0 (or -1) keep every token.
@@ -248,10 +262,18 @@ class M2POConfig(AlgorithmConfig):
         max_new_tokens=NotProvided,
         stop=NotProvided,
         round_delay=NotProvided,
+        weight_sync=NotProvided,
+        weight_sync_backend=NotProvided,
+        weight_sync_bucket_bytes=NotProvided,
+        weight_sync_only_changed=NotProvided,
         **kwargs,
     ) -> Self:
         super().env_runners(**kwargs)
         self._set_provided(
+            weight_sync=weight_sync,
+            weight_sync_backend=weight_sync_backend,
+            weight_sync_bucket_bytes=weight_sync_bucket_bytes,
+            weight_sync_only_changed=weight_sync_only_changed,
             rollout_engine=rollout_engine,
             engine_kwargs=engine_kwargs,
             temperature=temperature,
@@ -304,6 +326,25 @@ class M2POConfig(AlgorithmConfig):
         if self.rollout_engine != "auto":
             return self.rollout_engine
         return "vllm" if torch.cuda.is_available() else "hf"
+
+    @property
+    def native_weight_sync(self) -> bool:
+        return self.weight_sync == "native"
+
+    def resolved_weight_sync_backend(self) -> str:
+        """The native group's backend: "auto" is NCCL when the learners and the runners each
+        have whole GPUs (Ray then gives them different ones), else gloo (NCCL refuses two
+        ranks on one GPU, which fractional GPUs may share)."""
+        if self.weight_sync_backend != "auto":
+            return self.weight_sync_backend
+        learner_gpu = (self.num_gpus_per_learner if self.num_learners > 0 else self.num_gpus) or 0
+        gpus = torch.cuda.is_available() and learner_gpu >= 1 and (self.num_gpus_per_env_runner or 0) >= 1
+        return "nccl" if gpus else "gloo"
+
+    def served_dtype(self) -> torch.dtype:
+        """The dtype the runners' engines serve the weights in (what a native sync sends)."""
+        name = (self.engine_kwargs or {}).get("dtype") or (self.model_config or {}).get("dtype", DEFAULT_MODEL_DTYPE)
+        return getattr(torch, name)
 
     def policy_loss_params(self) -> dict[str, Any]:
         """Keyword arguments for `compute_policy_loss(self.policy_loss, ...)`."""

@@ -61,6 +61,16 @@ TRAINED_MAX = "staleness/trained_max"
 WEIGHTS_KEY = "_rl_module_state_after_update"  # RLlib's (IMPALA's) key for the state in a result
 UPDATE_SECONDS_KEY = "_update_seconds"
 VERSION_KEY = "_policy_version"  # the learner's policy version after the update
+WEIGHT_SYNC_RECONNECT_KEY = "_weight_sync_reconnect"  # native sync: a send failed, the group must be formed again
+NATIVE_SYNC_KEY = "_native_sync"  # native sync: the first learner's metrics of its last send (logged by the driver)
+
+# Native weight sync (weight_sync="native"), the first learner's side of each broadcast.
+NATIVE_SYNC_S = "weights/native_send_s"
+NATIVE_SYNC_BYTES = "weights/native_bytes"  # this round's: less than the model with weight_sync_only_changed
+NATIVE_SYNC_TENSORS = "weights/native_tensors"
+NATIVE_SYNC_FAILURES = "weights/native_failures"  # sends that failed (the object store carried that version)
+NATIVE_SYNC_CONNECTS = "weights/native_connects"  # groups formed so far (1 + runner restarts and failures)
+NATIVE_SYNC_VERSION = "weights/native_version"  # the last version broadcast (-1: that send failed)
 M2_BY_AGE_KEY = "_m2_by_age"  # {age: (sum of squared log-ratios, tokens)} of the update's tokens
 
 # -- EnvRunner (m2po_rllib.rollout.env_runner) --------------------------------------------

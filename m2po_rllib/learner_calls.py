@@ -1,4 +1,5 @@
-"""The learner calls M2PO makes besides `LearnerGroup.update`, in one place.
+"""The learner calls M2PO makes besides `LearnerGroup.update`, in one place (and the one
+EnvRunner lookup it needs, the actor handles a native weight sync broadcasts to).
 
 Ray 2.60's `LearnerGroup` has no public call to run a function on only the first learner,
 to unwrap `foreach_learner`'s `RemoteCallResults`, or to poll the results of asynchronous
@@ -22,3 +23,11 @@ def on_learners(group, fn: Callable[[Any], Any], *, first_only: bool) -> list[An
 def ready_update_results(group) -> list[dict]:
     """The results of asynchronous updates that are done, without sending another one."""
     return group._get_results(group._worker_manager.fetch_ready_async_reqs(timeout_seconds=0.0))
+
+
+def runner_actors(runner_group) -> list:
+    """The healthy remote EnvRunners' actor handles, in runner order (a native weight sync's
+    targets)."""
+    manager = runner_group._worker_manager
+    actors = manager.actors()
+    return [actors[i] for i in sorted(manager.healthy_actor_ids())]

@@ -46,7 +46,7 @@ from ray.rllib.utils.metrics import (
 import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib import keys
 from m2po_rllib.config import M2POConfig
-from m2po_rllib.learner_calls import on_learners, ready_update_results
+from m2po_rllib.learner_calls import on_learners, ready_update_results, runner_actors
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.losses.correction import mismatch_metrics
@@ -116,10 +116,11 @@ class M2PO(Algorithm):
         self._weights = self.learner_weights()
         self._learner_version = self._weights.version
         self._pending_results = 0  # learner results still to come: one per learner per update
-        self._sampler = RolloutSampler(
-            config, self.env_runner_group, lambda: self.restore_env_runners(self.env_runner_group), self._weights.version
-        )
+        self._sampler = RolloutSampler(config, self.env_runner_group, self._restore_runners, self._weights.version)
         self._iter = _IterationPace()
+        self._reconnect_weight_sync = False  # native: a send failed, the group is formed again before the next step
+        if config.native_weight_sync:
+            self._connect_weight_sync()
 
     @contextlib.contextmanager
     def _actors_placed(self, config):
@@ -136,6 +137,44 @@ class M2PO(Algorithm):
                          local=local)
         with WaitingNotice(need, ray.available_resources):
             yield
+
+    # -- native weight sync (weight_sync="native") ------------------------------------------
+    def _connect_weight_sync(self) -> None:
+        """Forms the learners' weight-transfer group with every healthy training runner and
+        sends them the current weights (at the start, and after runners were restored or a
+        send failed). Updates in flight finish first: their broadcasts use the old group."""
+        self._wait_for_updates()
+        handles = runner_actors(self.env_runner_group)
+        tp = int((self.config.engine_kwargs or {}).get("tensor_parallel_size", 1))
+        stats = on_learners(
+            self.learner_group, lambda learner, h=handles: learner.connect_weight_sync(h, [tp] * len(h)),
+            first_only=not self.config.sharded_learners,
+        )[0]
+        self._log_native_sync(stats)
+        version = int(stats[keys.NATIVE_SYNC_VERSION])
+        self._reconnect_weight_sync = version < 0
+        if version >= 0:
+            self._weights = PublishedWeights.broadcast(version)
+        logger.info("native weight sync: group formed with %d runners (%s)", len(handles),
+                    f"version {version} sent" if version >= 0 else "the first send failed")
+
+    def _log_native_sync(self, stats: dict | None) -> None:
+        for key, value in (stats or {}).items():
+            self.metrics.log_value(key, value, window=1)
+
+    def _restore_runners(self) -> None:
+        """RLlib brings failed runners back; with a native sync they join a new group."""
+        restored = self.restore_env_runners(self.env_runner_group)
+        if restored and self.config.native_weight_sync:
+            self._connect_weight_sync()
+
+    def _wait_for_updates(self) -> None:
+        deadline = time.monotonic() + self.config.sample_timeout_s
+        while self._updates_in_flight and time.monotonic() < deadline:
+            if not self._take_update_results(ready_update_results(self.learner_group)):
+                time.sleep(POLL_S)
+        if self._updates_in_flight:
+            raise RuntimeError(f"{self._updates_in_flight} updates still in flight after {self.config.sample_timeout_s} s")
 
     @property
     def policy_version(self) -> int:
@@ -174,6 +213,10 @@ class M2PO(Algorithm):
 
     @override(Algorithm)
     def training_step(self) -> None:
+        if self._reconnect_weight_sync:  # a native send failed: runners restored, group formed again
+            self._restore_runners()
+            if self._reconnect_weight_sync:
+                self._connect_weight_sync()
         batch = self._next_async_step() if self.config.async_rollouts else self._next_sync_step()
         for key, value in self._sampler.metrics().items():
             self.metrics.log_value(key, value, window=1)
@@ -308,6 +351,8 @@ class M2PO(Algorithm):
         m2_by_age: dict[int, list[float]] = {}  # the learners' shares, added up
         for result in results:
             weights = result.pop(keys.WEIGHTS_KEY, None)
+            self._reconnect_weight_sync |= bool(result.pop(keys.WEIGHT_SYNC_RECONNECT_KEY, False))
+            self._log_native_sync(result.pop(keys.NATIVE_SYNC_KEY, None))
             self._learner_version = max(self._learner_version, result.pop(keys.VERSION_KEY))
             self._iter.learner_busy_s += result.pop(keys.UPDATE_SECONDS_KEY) / learners
             for age, (sum_sq, tokens) in result.pop(keys.M2_BY_AGE_KEY, {}).items():
@@ -323,8 +368,10 @@ class M2PO(Algorithm):
         return True
 
     def learner_weights(self) -> PublishedWeights:
-        """The first learner's current weights, published."""
-        return on_learners(self.learner_group, lambda learner: learner.publish_weights(), first_only=True)[0]
+        """The first learner's current weights, published through the object store (sharded
+        with a native sync: every learner gathers them, the whole copy is made on demand)."""
+        every = self.config.sharded_learners and self.config.native_weight_sync
+        return on_learners(self.learner_group, lambda learner: learner.publish_weights(), first_only=not every)[0]
 
     # -- beat 2: log-probs, the engine's against the learner's --------------------------------
     def _log_logp_mismatch(self, rollout: dict) -> None:
@@ -389,6 +436,8 @@ class M2PO(Algorithm):
         super().set_state(state)
         self._weights = self.learner_weights()
         self._learner_version = self._weights.version
+        if self.config.native_weight_sync:
+            self._connect_weight_sync()  # the restored weights, to every runner
         if "m2po" in state:
             self._sampler.set_state(state["m2po"]["sampler"], self._learner_version)
             self._heldout_accuracy = state["m2po"]["heldout_accuracy"]

@@ -308,6 +308,61 @@ def check_batch_shapes(config) -> list[Problem]:
     return out
 
 
+WEIGHT_SYNCS = ("object_store", "native")
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_weight_sync(config) -> list[Problem]:
+    """`weight_sync` and its settings; "native" only where the learner can broadcast to the
+    runners' vLLM workers."""
+    if config.weight_sync not in WEIGHT_SYNCS:
+        return [problem("weight_sync", f"`weight_sync` ({config.weight_sync!r}) must be one of {WEIGHT_SYNCS}")]
+    out = []
+    if config.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+        out.append(problem("weight_sync_backend", f"`weight_sync_backend` ({config.weight_sync_backend!r}) must be "
+                                                  f"one of {WEIGHT_SYNC_BACKENDS}"))
+    size = config.weight_sync_bucket_bytes
+    if size is not None and (not _is(size, _INT) or size < 1):
+        out.append(problem("weight_sync_bucket_bytes", f"`weight_sync_bucket_bytes` ({size!r}) must be an int >= 1, "
+                                                       "or None for the backend's default"))
+    if not isinstance(config.weight_sync_only_changed, bool):
+        out.append(problem("weight_sync_only_changed",
+                           f"`weight_sync_only_changed` ({config.weight_sync_only_changed!r}) must be True or False"))
+    if config.weight_sync != "native" or config.in_evaluation or out:
+        return out
+    fix = "or weight_sync='object_store'"
+    if config.resolved_rollout_engine() != "vllm":
+        out.append(problem(("weight_sync", "rollout_engine"),
+                           f"weight_sync='native' is vLLM's weight-transfer API; the rollout engine is "
+                           f"{config.resolved_rollout_engine()!r}: set rollout_engine='vllm', {fix}"))
+    if config.num_env_runners < 1:
+        out.append(problem(("weight_sync", "num_env_runners"),
+                           "weight_sync='native' broadcasts from the learner to remote EnvRunners' engines; "
+                           f"`num_env_runners` is {config.num_env_runners} (the runner shares the learner's process, "
+                           f"where the object store costs no copy): set num_env_runners >= 1, {fix}"))
+    if config.runners_recompute_behavior_logp:
+        out.append(problem(("weight_sync", "recompute_behavior_logp"),
+                           "with recompute_behavior_logp in async mode each runner scores its rounds with a copy of "
+                           "the learner's model, which a native sync (into vLLM only) does not update: set "
+                           f"recompute_behavior_logp=False, {fix}"))
+    served = (config.engine_kwargs or {}).get("dtype") or (config.model_config or {}).get("dtype")
+    if served is not None and served not in SERVED_DTYPES:
+        out.append(problem(("weight_sync", "engine_kwargs"),
+                           f"weight_sync='native' sends the weights in the engine's dtype; engine_kwargs dtype "
+                           f"{served!r} names none: use one of {SERVED_DTYPES}"))
+    if config.weight_sync_backend == "nccl":
+        import torch
+
+        learner_gpu = (config.num_gpus_per_learner if config.num_learners > 0 else config.num_gpus) or 0
+        if not torch.cuda.is_available() or not learner_gpu or not config.num_gpus_per_env_runner:
+            out.append(problem(("weight_sync_backend",),
+                               "weight_sync_backend='nccl' needs GPUs on both sides (CUDA here: "
+                               f"{torch.cuda.is_available()}, GPUs per learner: {learner_gpu}, per EnvRunner: "
+                               f"{config.num_gpus_per_env_runner}): use 'gloo' or 'auto'"))
+    return out
+
+
 def check_rollout_mode(config) -> list[Problem]:
     """`async_rollouts` and what it needs; `max_staleness` only with it."""
     if not config.async_rollouts:
@@ -433,7 +488,7 @@ def notices(config) -> list[str]:
 STAGES: tuple[tuple[Check, ...], ...] = (
     (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
     (check_batch_shapes,),
-    (check_rollout_mode,),
+    (check_rollout_mode, check_weight_sync),
 )
 
 

@@ -106,6 +106,49 @@ def test_validate_auto_staleness_and_round_delay(tiny_model_dir, settings, needl
 
 
 @pytest.mark.parametrize(
+    "runners, training, needle, at_fault",
+    [
+        (dict(weight_sync="nccl"), {}, "`weight_sync` ('nccl') must be one of ('object_store', 'native')", {"weight_sync"}),
+        (dict(weight_sync="native", weight_sync_backend="ipc"), {}, "`weight_sync_backend` ('ipc') must be one of",
+         {"weight_sync_backend"}),
+        (dict(weight_sync="native", weight_sync_bucket_bytes=0), {}, "`weight_sync_bucket_bytes` (0) must be an int >= 1",
+         {"weight_sync_bucket_bytes"}),
+        (dict(weight_sync="native", weight_sync_only_changed="yes"), {}, "`weight_sync_only_changed` ('yes') must be True",
+         {"weight_sync_only_changed"}),
+        (dict(weight_sync="native", rollout_engine="hf"), {}, "the rollout engine is 'hf': set rollout_engine='vllm', "
+         "or weight_sync='object_store'", {"weight_sync", "rollout_engine"}),
+        (dict(weight_sync="native", num_env_runners=0), {}, "`num_env_runners` is 0 (the runner shares the learner's "
+         "process", {"weight_sync", "num_env_runners"}),
+        (dict(weight_sync="native"), dict(async_rollouts=True, max_staleness=3, recompute_behavior_logp=True),
+         "a native sync (into vLLM only) does not update: set recompute_behavior_logp=False",
+         {"weight_sync", "recompute_behavior_logp"}),
+        (dict(weight_sync="native", weight_sync_backend="nccl"), {}, "weight_sync_backend='nccl' needs GPUs on both "
+         "sides (CUDA here: False", {"weight_sync_backend"}),
+        (dict(weight_sync="native", engine_kwargs={"dtype": "auto"}), {}, "engine_kwargs dtype 'auto' names none",
+         {"weight_sync", "engine_kwargs"}),
+    ],
+)
+def test_validate_weight_sync(tiny_model_dir, runners, training, needle, at_fault):
+    """weight_sync="native": bad values, and the setups the learner cannot broadcast to, are
+    refused before anything starts, each naming the fix."""
+    cfg = tiny_config(tiny_model_dir, **training)
+    cfg.env_runners(**{"num_env_runners": 1, "rollout_engine": "vllm", **runners})
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert needle in str(err.value)
+    assert set(err.value.settings) == at_fault
+
+
+def test_native_weight_sync_picks_gloo_without_whole_gpus_and_sends_the_served_dtype(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir).env_runners(num_env_runners=1, rollout_engine="vllm", weight_sync="native")
+    cfg.validate()
+    assert cfg.resolved_weight_sync_backend() == "gloo"  # no CUDA here
+    assert cfg.served_dtype() == torch.float32  # the learner's dtype, which the runners serve
+    cfg.env_runners(engine_kwargs={"dtype": "bfloat16"})
+    assert cfg.served_dtype() == torch.bfloat16
+
+
+@pytest.mark.parametrize(
     "training, needle",
     [
         (dict(m2_threshold=-1), "`m2_threshold` (-1) must be > 0"),

@@ -337,19 +337,14 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
     process) opens a gloo group with the engine's worker, broadcasts another model's weights
     in small buckets, and the engine serves exactly that model; versions only move forward,
     and the original weights come back the same way."""
-    import socket
 
-    from m2po_rllib.rollout.weight_transfer import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.net import free_port
+    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     greedy = SamplingConfig(max_tokens=16, temperature=0)
     sampled = SamplingConfig(n=2, max_tokens=16, seed=9, temperature=0.9)
     original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
     before = vllm_engine.generate(prompt_ids, greedy)
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     holder = {"model": other}
     client = RunnerGroupClient([EngineTarget(vllm_engine)])
     sender = NativeWeightSender(client, lambda: holder["model"].state_dict(), vllm_engine.dtype, backend="gloo",

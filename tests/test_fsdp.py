@@ -115,3 +115,77 @@ def test_fsdp_algorithm_checkpoint_resume_matches_uninterrupted_run(ray_session,
     finally:
         resumed.stop()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_fsdp_learners_broadcast_native_syncs_per_tensor_and_agree_on_deltas(ray_session, tiny_model_dir):
+    """weight_sync="native" with 2 FSDP learners: the first broadcasts (gloo) while both
+    gather one tensor at a time, and no whole copy of the weights is made for it; a runner
+    (here a gloo receiver with vLLM's receive code, no vLLM engine) gets the learners'
+    whole weights at connect; with only the changed units sent, an update that changes
+    nothing (lr 0) sends none, both learners agreeing on that (a disagreement would leave
+    one waiting in a gather)."""
+    import torch
+    from types import SimpleNamespace
+
+    import ray
+
+    from m2po_rllib.rollout.weight_transfer import weight_layout
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self, layout):
+            self.layout, self.got, self.rounds = layout, {}, []
+
+        def m2po_weight_layout(self):
+            return self.layout
+
+        def m2po_join_weight_group(self, init_info):
+            from m2po_rllib.rollout.gloo_transfer import _open_group
+
+            self.bucket_bytes = init_info["packed_buffer_size_bytes"]
+            self.group = _open_group(init_info["master_address"], init_info["master_port"], init_info["rank_offset"],
+                                     init_info["world_size"], 60)
+
+        def m2po_receive_weights(self, update_info, version):
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+            from m2po_rllib.rollout.gloo_transfer import GlooWeightTransferEngine
+
+            model = SimpleNamespace(load_weights=lambda ts: self.got.update({n: t.clone() for n, t in ts}))
+            worker = SimpleNamespace(group=self.group, bucket_bytes=self.bucket_bytes, model=model)
+            GlooWeightTransferEngine.receive_weights(worker, NCCLWeightTransferUpdateInfo(**update_info))
+            self.rounds.append((version, len(update_info["names"])))
+            return True
+
+        def received(self):
+            return self.got, self.rounds
+
+    cfg = _config(tiny_model_dir, lr=0.0, learner_sharding="fsdp")
+    cfg.env_runners(num_env_runners=1, rollout_engine="vllm", weight_sync="native", weight_sync_backend="gloo",
+                    weight_sync_only_changed=True, weight_sync_bucket_bytes=50_000)
+    two = _group(cfg.learners(num_learners=2))
+    receiver = Receiver.remote(weight_layout(tiny_model_dir))
+    try:
+        connected = _on_all(two, lambda learner, r=[receiver]: learner.connect_weight_sync(r, [1]))
+        sent, _ = ray.get(receiver.received.remote())
+        whole = _on_all(two, lambda learner: learner.publish_weights())[0].get()
+        assert connected[1] is None and connected[0]["weights/native_tensors"] == len(whole)
+        assert sent.keys() == whole.keys()
+        for name, value in whole.items():
+            torch.testing.assert_close(sent[name], value, rtol=0, atol=0, msg=name)
+
+        from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+        batch = MultiAgentBatch({"default_policy": SampleBatch(dict(_batch(tiny_model_dir)))}, env_steps=8)
+        results = two.update(batch=batch, minibatch_size=4, num_epochs=1, return_state=True)
+        weights = results[0]["_rl_module_state_after_update"]
+        assert weights.native and weights.version == 1
+        assert results[0]["_native_sync"]["weights/native_tensors"] == 0  # lr 0: nothing changed
+        _, rounds = ray.get(receiver.received.remote())
+        assert rounds == [(0, len(whole)), (1, 0)]
+        # the learners made no whole copy of the weights for the sync (it is made on demand)
+        assert _on_all(two, lambda learner: learner._full_weights_version) == [0, 0]
+    finally:
+        two.shutdown()
+        ray.kill(receiver)

@@ -4,7 +4,6 @@ One spawn of WORLD processes runs every case, each rank checking its own shard a
 the whole batch it also computes alone; a failing assert on any rank fails the test.
 """
 
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import m2po_rllib.losses.mask as mask_module
+from m2po_rllib.net import free_port
 from m2po_rllib.losses import (
     LOCAL,
     POLICY_LOSSES,
@@ -109,11 +109,5 @@ def _worker(rank, port):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_global_mask_and_loss_match_single_process():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -10,13 +10,20 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from m2po_rllib import M2POConfig  # noqa: E402
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from m2po_rllib import M2POConfig, keys  # noqa: E402
+from m2po_rllib.learner_calls import on_learners  # noqa: E402
+from m2po_rllib.rollout.weight_transfer import weight_layout  # noqa: E402
+from m2po_rllib.wire.batch import to_train_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session, tiny_model_dir):
-    config = (
+def _config(tiny_model_dir, **runner_settings):
+    return (
         M2POConfig()
         .environment("m2po/Arithmetic-v0", env_config={"digits": 2, "template": "compact"})
         .env_runners(
@@ -26,6 +33,7 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
             max_new_tokens=6,
             top_p=0.9,  # truncated sampling, replayed by the learner: the mismatch stays ~0
             top_k=20,
+            **runner_settings,
         )
         .learners(num_learners=0)
         .rl_module(model_config={"model": tiny_model_dir})
@@ -37,7 +45,20 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
         .fault_tolerance(restart_failed_env_runners=True, delay_between_env_runner_restarts_s=1)
         .debugging(seed=0)
     )
-    algo = config.build_algo()
+
+
+def _kill_engine_workers(algo) -> None:
+    pids = algo.env_runner_group.foreach_env_runner(lambda runner: runner._engine.worker_pids, local_env_runner=False)
+    for pid in pids[0]:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session, tiny_model_dir):
+    """vLLM's native transfer over gloo: the learner broadcasts after each update; a
+    restarted runner joins a new group and gets the current weights before it samples. (The
+    object-store path into vLLM is test_engines' weight-sync test, and the algorithm's
+    object-store path every HF-runner test's.)"""
+    algo = _config(tiny_model_dir, weight_sync="native").build_algo()
     try:
         algo.train()
         result = algo.train()
@@ -45,18 +66,46 @@ def test_vllm_runner_syncs_matches_learner_and_survives_engine_death(ray_session
         assert result["env_runners"]["rollout/engine_policy_version"] == 2
         assert result["rollout/logp_mismatch_max"] < 1e-3
 
-        # Kill the vLLM worker process under the runner.
-        pids = algo.env_runner_group.foreach_env_runner(
-            lambda runner: runner._engine.worker_pids, local_env_runner=False
-        )
-        for pid in pids[0]:
-            os.kill(pid, signal.SIGKILL)
+        # the group formed at the start, then one broadcast per update, of the whole model in
+        # the served dtype (float32 on CPU), the tied lm_head included
+        assert result["weights/native_connects"] == 1 and result["weights/native_failures"] == 0
+        assert result["weights/native_bytes"] == 4 * sum(math.prod(s) for s in weight_layout(tiny_model_dir).values())
 
+        _kill_engine_workers(algo)  # the vLLM worker process under the runner
         result = algo.train()
         # The runner was replaced, got the current weights (version 4) before sampling,
         # and training went on.
         assert algo.policy_version == 6
         assert result["env_runners"]["rollout/engine_policy_version"] == 4
         assert result["rollout/logp_mismatch_max"] < 1e-3
+        assert result["weights/native_connects"] == 2  # through a new group
+    finally:
+        algo.stop()
+
+
+def test_native_weight_sync_in_async_mode_sends_only_what_changed(ray_session, tiny_model_dir):
+    """Async rollouts with the native path: broadcasts land between rounds (the runner
+    receives after its round in flight), every trained row is within the bound, and the
+    runner's log-probs match the learner's for the version it served. With only the
+    changed units sent (weight decay moves every weight: each round sends them all)."""
+    config = _config(tiny_model_dir, weight_sync="native", weight_sync_only_changed=True,
+                     weight_sync_bucket_bytes=100_000)
+    config.training(async_rollouts=True, max_staleness=3, logp_mismatch_interval=0)
+    algo = config.build_algo()
+    try:
+        for _ in range(3):
+            result = algo.train()
+        assert result["weights/native_failures"] == 0 and result["weights/native_connects"] == 1
+        assert result["weights/native_tensors"] == len(weight_layout(tiny_model_dir))  # weight decay moved every unit
+        assert result["staleness/max"] <= 3
+        # the last update's broadcast reached the engine before train() returned, whole: a
+        # round it samples now is the learner's current policy, log-prob for log-prob
+        batch = algo.env_runner_group.foreach_env_runner(
+            lambda runner: runner.sample(num_prompts=2, seed=7), local_env_runner=False
+        )[0]
+        assert int(batch["policy_version"].min()) == algo.policy_version
+        train = to_train_batch(batch, np.zeros(len(batch["rewards"]), np.float32))
+        stats = on_learners(algo.learner_group, lambda learner: learner.logp_mismatch(train), first_only=True)[0]
+        assert stats[keys.LOGP_MISMATCH_MAX] < 1e-3
     finally:
         algo.stop()

@@ -14,12 +14,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from m2po_rllib.rollout.weight_transfer import (
-    BroadcastWeights,
-    RunnerGroupClient,
-    StateDictSource,
-    select_transport,
-)
+from m2po_rllib.rollout.weight_sender import RunnerGroupClient, StateDictSource
+from m2po_rllib.rollout.weight_transfer import BroadcastWeights, select_transport
 
 
 @pytest.mark.parametrize(
@@ -167,7 +163,8 @@ def test_gloo_receiver_cuts_the_buckets_the_sender_packs(tied_model):
 
 
 def test_native_transport_names_its_vllm_backend_and_refuses_others():
-    from m2po_rllib.rollout.weight_transfer import NativeTransport, NativeWeightSender
+    from m2po_rllib.rollout.weight_sender import NativeWeightSender
+    from m2po_rllib.rollout.weight_transfer import NativeTransport
 
     gloo = NativeTransport("gloo")
     assert gloo.llm_kwargs == {"weight_transfer_config": {"backend": "m2po_gloo"},
@@ -185,7 +182,8 @@ def test_a_runner_serving_another_layout_is_refused_before_the_group_opens(tmp_p
     """The served model's names and shapes come from its config alone (meta device); a
     learner whose tensors do not fit them is told so at connect, naming what differs."""
     from m2po_rllib.models.tiny import build_tiny_model
-    from m2po_rllib.rollout.weight_transfer import NativeWeightSender, check_weight_layout, weight_layout
+    from m2po_rllib.rollout.weight_sender import NativeWeightSender
+    from m2po_rllib.rollout.weight_transfer import check_weight_layout, weight_layout
 
     served = weight_layout(build_tiny_model(tmp_path / "same", seed=3))
     assert served == {n: list(t.shape) for n, t in tied_model.state_dict().items()}
@@ -214,7 +212,7 @@ def test_only_changed_rounds_declare_and_yield_what_changed_since_the_last_commi
     top-level module) holding a tensor whose wire value changed since the last committed
     round, whole; a failed round (no commit) is declared again; reset sends everything;
     metadata and iteration always agree (what vLLM checks)."""
-    from m2po_rllib.rollout.weight_transfer import delta_unit
+    from m2po_rllib.rollout.weight_sender import delta_unit
 
     assert delta_unit("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
     assert delta_unit("model.norm.weight") == "model.norm" and delta_unit("lm_head.weight") == "lm_head"
@@ -249,3 +247,43 @@ def test_only_changed_rounds_declare_and_yield_what_changed_since_the_last_commi
     with torch.no_grad():
         layer.copy_(saved)
         model.model.norm.weight.sub_(0.5)
+
+
+def test_a_sharded_sender_whose_broadcast_fails_still_joins_every_gather(tied_model):
+    """With sharded learners each tensor is made whole by a collective every learner runs in
+    the same order; a sending rank whose broadcast fails part way materializes the rest of
+    the round (its peers wait in those gathers), closes the group and sends everything next
+    time. `agree` decides the delta round's units on every rank (rank 0's set)."""
+    from m2po_rllib.rollout.weight_sender import NativeWeightSender
+
+    gathered = []
+
+    def materialize(t):
+        gathered.append(t.data_ptr())
+        return t
+
+    sender = NativeWeightSender(None, tied_model.state_dict, torch.float32, backend="gloo", rank=1,
+                                materialize=materialize, agree=lambda units: {"model.norm"})
+
+    class Broken:  # the trainer engine: iterates two tensors of the round, then the broadcast fails
+        def send_weights(self):
+            sender.source.metadata()
+            it = iter(sender.source)
+            next(it), next(it)
+            raise ConnectionError("peer gone")
+
+        def shutdown(self):
+            pass
+
+    sender._engine = Broken()
+    with pytest.raises(ConnectionError):
+        sender.send(1)
+    assert len(gathered) == len(tied_model.state_dict()) and not sender.connected
+
+    # a delta round decides its units by `agree` (rank 0's choice), not by what this rank saw
+    delta = NativeWeightSender(None, tied_model.state_dict, torch.float32, backend="gloo", rank=1,
+                               only_changed=True, materialize=materialize, agree=lambda units: {"model.norm"})
+    gathered.clear()
+    names = [m.name for m in delta.source.metadata()]
+    assert names == ["model.norm.weight"] and len(gathered) == len(tied_model.state_dict())  # pass 1: all compared
+    assert [n for n, _ in delta.source] == names

@@ -55,6 +55,13 @@ def engine_settings(config) -> dict[str, Any]:
         "model": model_config.get("model"),
         "dtype": model_config["dtype"],
         "engine_kwargs": dict(config.engine_kwargs or {}),
+        # the training runners of a native sync build vLLM's receive path (evaluation runners
+        # are not in the learner's group: the object store brings theirs)
+        "weight_transport": (
+            config.resolved_weight_sync_backend()
+            if config.native_weight_sync and not config.in_evaluation
+            else "object_store"
+        ),
     }
 
 
@@ -176,8 +183,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         settings = engine_settings(self.config)
         kwargs = dict(settings["engine_kwargs"])
         kwargs.setdefault("dtype", settings["dtype"])
-        if settings["kind"] == "vllm" and self.worker_index > 0:
-            kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
+        if settings["kind"] == "vllm":
+            kwargs.setdefault("weight_transport", settings["weight_transport"])
+            if self.worker_index > 0:
+                kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
         if self._seed is not None:
             kwargs.setdefault("seed", self._seed)
         model_path = resolve_model_path(settings["model"])
@@ -224,8 +233,40 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._pending_weights = (weights, version)
 
     def _use(self, published: PublishedWeights | None) -> None:
-        if published is not None:
-            self._load(published.version, published.get)
+        if published is None:
+            return
+        if published.native:
+            # the learner broadcast these (`m2po_receive_weights`); a runner without them (it
+            # restarted, and the group is not formed again yet) samples with what it serves,
+            # and its rows say which version that is
+            if published.version > self.weights_version:
+                logger.warning("EnvRunner %d serves version %d; version %d went by native sync without it",
+                               self.worker_index, self.weights_version, published.version)
+            return
+        self._load(published.version, published.get)
+
+    # -- native weight sync (weight_sync="native"): the learner's RunnerGroupClient calls these --
+    def m2po_weight_layout(self) -> dict[str, list[int]]:
+        """The parameter names and shapes this runner's model has (checked before the group opens)."""
+        from m2po_rllib.models.builtin import resolve_model_path
+        from m2po_rllib.rollout.weight_transfer import weight_layout
+
+        return weight_layout(resolve_model_path(engine_settings(self.config)["model"]))
+
+    def m2po_join_weight_group(self, init_info: dict) -> None:
+        """Joins the learner's group (a new one replaces the last); starts the engine if needed."""
+        self.engine.join_weight_group(init_info)
+
+    def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
+        """Receives one broadcast as `version` (between rounds: Ray runs this actor's calls one
+        at a time)."""
+        from m2po_rllib.rollout.weight_transfer import BroadcastWeights
+
+        t0 = time.perf_counter()
+        loaded = self.engine.update_weights(BroadcastWeights(**update_info), version)
+        self._pending_weights = None  # superseded
+        self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
+        return loaded
 
     # -- RLlib EnvRunner API ----------------------------------------------------------------
     @override(EnvRunner)

@@ -81,6 +81,8 @@ class M2POTorchLearner(TorchLearner):
         super().build()
         self._grads_finite: dict[str, bool] = {}
         self._m2_by_age = M2ByAge()
+        self._weight_sync = None  # LearnerWeightSync, once the driver connects it (weight_sync="native")
+        self._full_weights_version: int | None = None
         self._refresh_full_weights()
 
     @override(TorchLearner)
@@ -103,10 +105,57 @@ class M2POTorchLearner(TorchLearner):
     def _refresh_full_weights(self) -> None:
         """Sharded: gather the whole weights to rank 0's CPU (every learner at once, after
         each update and each set_state), so that `get_state` on the first learner, which
-        is all RLlib asks, needs no collective."""
-        if self._sharded:
+        is all RLlib asks, needs no collective. With a native weight sync the runners get
+        the weights gathered per tensor instead, and the whole copy is made only when asked
+        for (`publish_weights`, `gather_optimizer_state`: every learner calls them)."""
+        if self._sharded and self._full_weights_version != self.policy_version:
             for module_id in self.module.keys():
                 self.module[module_id].unwrapped().gather_full_weights()
+            self._full_weights_version = self.policy_version
+
+    # -- native weight sync (weight_sync="native"; rollout/weight_sender.py) ----------------
+    def connect_weight_sync(self, targets: list, workers_per_target: list[int]) -> dict[str, float] | None:
+        """Forms the weight-transfer group with the EnvRunner actors `targets` (the first
+        learner; with sharded weights every learner calls this, the others only gather) and
+        sends the current weights. Returns the sync's metrics on the first learner
+        (`LearnerWeightSync.metrics`; None on the others)."""
+        from m2po_rllib.rollout.weight_sender import LearnerWeightSync
+
+        cfg = self.config
+        if self._weight_sync is None:
+            module = self.module[DEFAULT_MODULE_ID].unwrapped()
+            sharded = dict(materialize=fsdp.full_tensor, agree=self._agree_on_units) if self._sharded else {}
+            self._weight_sync = LearnerWeightSync(
+                backend=cfg.resolved_weight_sync_backend(), dtype=cfg.served_dtype(),
+                state_fn=module.model.state_dict, rank=self._rank, bucket_bytes=cfg.weight_sync_bucket_bytes,
+                only_changed=cfg.weight_sync_only_changed, **sharded,
+            )
+        stats = self._weight_sync.connect(targets if self._rank == 0 else [], workers_per_target, self.policy_version)
+        return self._weight_sync.metrics(stats) if self._rank == 0 else None
+
+    def _agree_on_units(self, units: set[str]) -> set[str]:
+        """Sharded delta syncs: every learner gathers the units rank 0 found changed."""
+        box = [sorted(units)]
+        dist.broadcast_object_list(box, src=0)
+        return set(box[0])
+
+    def _send_weights(self, result: dict) -> PublishedWeights | None:
+        """Native sync after an update: broadcasts the weights (every sharded learner joins
+        the gathers) and returns the notice the runners' requests carry; after a failed
+        send, the weights through the object store, and a request to form the group again."""
+        version = self.policy_version
+        stats = self._weight_sync.send(version)
+        sent = stats is not None or self._rank != 0
+        if self._sharded:  # every learner learns whether rank 0's broadcast went through
+            flag = torch.tensor([1.0 if sent else 0.0], device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            sent = bool(flag.item())
+        if self._rank == 0:
+            result[keys.NATIVE_SYNC_KEY] = self._weight_sync.metrics(stats)
+        if sent:
+            return PublishedWeights.broadcast(version) if self._rank == 0 else None
+        result[keys.WEIGHT_SYNC_RECONNECT_KEY] = True
+        return self.publish_weights()
 
     @property
     def policy_version(self) -> int:
@@ -118,6 +167,7 @@ class M2POTorchLearner(TorchLearner):
         """The current weights, published once for every runner: `ray.put` from this process
         when runners are remote (the driver passes the reference on), else in process.
         Only the first learner publishes (the others return None)."""
+        self._refresh_full_weights()  # sharded: a collective, if the copy is older than the weights
         if self._rank != 0:
             return None
         state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
@@ -135,9 +185,18 @@ class M2POTorchLearner(TorchLearner):
         self._m2_by_age.clear()  # nothing left from an update that failed part way
         result = super().update(*args, **kwargs)
         result[keys.M2_BY_AGE_KEY] = self._m2_by_age.take()
-        self._refresh_full_weights()
+        native = self._weight_sync is not None and self._weight_sync.connected
+        if not native:
+            self._refresh_full_weights()
+        elif self._sharded:
+            # RLlib asks only the first learner for the state; every sharded one joins the send
+            due = torch.tensor([float(return_state)], device=self._device)
+            dist.all_reduce(due, op=dist.ReduceOp.MAX)
+            return_state = bool(due.item())
         if return_state:
-            result[keys.WEIGHTS_KEY] = self.publish_weights()
+            weights = self._send_weights(result) if native else self.publish_weights()
+            if weights is not None:
+                result[keys.WEIGHTS_KEY] = weights
         result[keys.VERSION_KEY] = self.policy_version
         result[keys.UPDATE_SECONDS_KEY] = time.perf_counter() - t0
         return result
@@ -362,12 +421,14 @@ class M2POTorchLearner(TorchLearner):
     @override(TorchLearner)
     def set_state(self, state) -> None:
         super().set_state(state)
+        self._full_weights_version = None
         self._refresh_full_weights()
 
     def gather_optimizer_state(self) -> None:
         """Sharded: gather the whole optimizer state to rank 0 for the next `get_state`
         (every learner at once; `M2PO.get_state` asks them before a checkpoint)."""
         if self._sharded:
+            self._refresh_full_weights()  # the weights' copy too (lazy with a native sync)
             self._gathered_optimizer_state = self.policy_version, {
                 name: {
                     "module_id": self._optimizer_name_to_module[name],

@@ -26,6 +26,8 @@ class PublishedWeights:
     ref: Any = None
     """Or an ObjectRef to them, for remote runners (nested in the request, so Ray does not
     resolve it unless the runner needs it)."""
+    native: bool = False
+    """Or neither: the learner broadcast them to the runners' engines itself (weight_sync="native")."""
 
     @classmethod
     def publish(cls, weights: dict[str, Any], *, version: int, remote: bool) -> "PublishedWeights":
@@ -35,6 +37,13 @@ class PublishedWeights:
         # these weights stay those of `version` while the learner moves on.
         return cls(version=int(version), weights={k: v.clone() for k, v in weights.items()})
 
+    @classmethod
+    def broadcast(cls, version: int) -> "PublishedWeights":
+        """Weights the learner broadcast to the runners (they carry only their version)."""
+        return cls(version=int(version), native=True)
+
     def get(self) -> dict[str, Any]:
         """The weights by parameter name (fetched from the object store if remote)."""
+        if self.native:
+            raise RuntimeError(f"weights version {self.version} went by native sync: they are not in the object store")
         return self.weights if self.ref is None else ray.get(self.ref)

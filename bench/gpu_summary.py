@@ -1,0 +1,63 @@
+"""The GPU check's table: reads what bench/gpu_check.sh's steps wrote under OUT (vllm.json,
+learner.json), prints one table and writes bench/results/gpu.json.
+
+    python bench/gpu_summary.py bench/results/gpu [--out bench/results/gpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def rows(vllm: dict, learner: dict) -> list[tuple[str, str]]:
+    out = []
+    model = vllm.get("model", {})
+    if model:
+        n = model.get("params", 0)
+        out.append(("model", f"{n / 1e9:.2f}B params" if n >= 1e8 else f"{n / 1e6:.2f}M params" + f", {model.get('dtype')}"))
+    gen = vllm.get("generate", {})
+    if gen:
+        out.append(("raw vLLM generate", f"{gen['raw_tokens_per_s']:.0f} tok/s"))
+        out.append(("runner engine generate", f"{gen['runner_tokens_per_s']:.0f} tok/s ({gen['runner_vs_raw']:.2f}x raw)"))
+    for path, stats in vllm.get("sync", {}).items():
+        if "median_s" in stats:
+            out.append((f"sync {path}", f"{stats['median_s']:.3f} s median, {stats.get('bytes', 0) / 2**20:.0f} MiB"))
+        elif "seconds" in stats:
+            out.append((f"sync {path}", f"{stats['seconds']:.3f} s, {stats.get('bytes', 0) / 2**20:.0f} MiB"))
+        else:
+            out.append((f"sync {path}", stats.get("error") or stats.get("skipped", "?")))
+    for key, value in vllm.get("agree", {}).items():
+        out.append((f"check {key}", str(value)))
+    for key, value in learner.items():
+        if isinstance(value, (int, float, str)):
+            out.append((f"learner {key}", str(value)))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", help="the directory gpu_check.sh wrote (OUT)")
+    p.add_argument("--out", default="bench/results/gpu.json")
+    args = p.parse_args()
+    results = Path(args.results)
+    vllm, learner = _load(results / "vllm.json"), _load(results / "learner.json")
+    table = rows(vllm, learner)
+    width = max((len(k) for k, _ in table), default=0)
+    for key, value in table:
+        print(f"{key:<{width}}  {value}")
+    Path(args.out).write_text(json.dumps({"vllm": vllm, "learner": learner, "table": dict(table)}, indent=2) + "\n")
+    print(f"[gpu_summary] wrote {args.out}")
+    return 0 if vllm else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro repro-tau mismatch adaptive phase test test-fast bench clean
+.PHONY: setup train lab repro repro-tau mismatch adaptive phase tool test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,10 @@ adaptive: setup
 # listed in the space file; the report (with the map, phase_map.png) in runs/phase/report.
 phase: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/phase.yaml --out runs/phase $(ARGS)
+
+# The tool task: M2PO on multi-turn episodes with a sandboxed calculator, 3 seeds (tune/spaces/tool.yaml).
+tool: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/tool.yaml --out runs/tool $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

@@ -39,7 +39,7 @@ def bench_model(name: str, model_dir: str, repeats: int, bucket_bytes: int) -> d
     from transformers import AutoModelForCausalLM
 
     from m2po_rllib.rollout.engine import make_engine
-    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
@@ -88,7 +88,7 @@ def bench_delta(engine, model, version: int, bucket_bytes: int) -> dict:
     full fine-tuning update: the comparison is paid and everything is sent anyway)."""
     import torch
 
-    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     sender = NativeWeightSender(RunnerGroupClient([EngineTarget(engine)]), model.state_dict, engine.dtype,
                                 backend="gloo", master_address="127.0.0.1", master_port=free_port(),

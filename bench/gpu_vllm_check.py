@@ -137,7 +137,7 @@ def main() -> int:
 
     from m2po_rllib.rollout.vllm_engine import VLLMEngine
     from m2po_rllib.net import free_port
-    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     report = Report(Path(args.out))
     cuda = torch.cuda.is_available() and not args.dry_run

@@ -86,9 +86,10 @@ class MathTextEnv(gym.Env):
         self.tokenizer = load_tokenizer(tokenizer)
         self.max_turns = max_turns
         render_prompt("1+1", template, self.tokenizer)  # fail now on a bad template, not at reset
-        obs = {"prompt": AnyText(MAX_TEXT_CHARS)}
+        obs = {"prompt": AnyText(MAX_TEXT_CHARS), "inserted": AnyText(MAX_TEXT_CHARS)}
         if self.tokenizer is not None:
             obs["prompt_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
+            obs["inserted_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
         self.observation_space = spaces.Dict(obs)
         self.action_space = AnyText(MAX_TEXT_CHARS)
         self.problem: Problem | None = None
@@ -96,6 +97,15 @@ class MathTextEnv(gym.Env):
         self.turn = 0
         self._done = True
         self._obs: dict = {}
+
+    stop: tuple[str, ...] = ()
+    """Strings that end a policy turn besides EOS (a tool env's call closer); the runner adds
+    them to its stop strings."""
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes may take more than one policy turn (the runner then runs its episode loop)."""
+        return self.max_turns > 1
 
     @property
     def num_problems(self) -> int | None:
@@ -129,13 +139,33 @@ class MathTextEnv(gym.Env):
         self.turn += 1
         terminated = verdict.correct or self.turn >= self.max_turns
         if not terminated:
-            self.messages.append({"role": "assistant", "content": _as_text(action)})
-            self.messages.append({"role": "user", "content": self.feedback(verdict, action)})
-            self._obs = self._observation()
+            self._continue(_as_text(action), self.feedback(verdict, action))
         self._done = terminated
         info = self._info()
         info.update(correct=verdict.correct, extracted=verdict.extracted, verifier=verdict.verifier)
         return self._obs, verdict.reward, terminated, False, info
+
+    def _continue(self, completion: str, reply: str, role: str = "user") -> None:
+        """The episode goes on: the policy's turn and the env's reply join the conversation,
+        and the observation holds the whole conversation and what the env inserted after the
+        policy's turn (`inserted`, `inserted_token_ids`: what a runner that keeps the policy's
+        own token ids appends, instead of re-tokenizing the conversation)."""
+        self.messages.append({"role": "assistant", "content": completion})
+        self.messages.append({"role": role, "content": reply})
+        self._obs = self._observation(inserted=self._inserted_text())
+
+    def _inserted_text(self) -> str:
+        """The text the conversation holds after the policy's last turn: rendered with a
+        sentinel in place of that turn, the part after it (the chat template's end of turn
+        and next header included)."""
+        sentinel = "\x00M2PO-TURN\x00"
+        last = self.messages[-2]["content"]
+        self.messages[-2]["content"] = sentinel
+        try:
+            text = self.render_conversation()
+        finally:
+            self.messages[-2]["content"] = last
+        return text.split(sentinel, 1)[1]
 
     def feedback(self, verdict: Verdict, completion) -> str:
         """The user's reply after a wrong answer in a multi-turn episode (override to change)."""
@@ -175,16 +205,20 @@ class MathTextEnv(gym.Env):
         for message in self.messages[1:]:
             if message["role"] == "assistant":
                 text += message["content"] + "\n\n"
+            elif message["role"] == "tool":  # a tool's result follows the call at once, as formatted
+                text = text[:-2] + message["content"]
             else:
                 text += message["content"] + "\nAnswer:"
         return text
 
-    def _observation(self) -> dict:
+    def _observation(self, inserted: str = "") -> dict:
         prompt = self.render_conversation()
-        obs = {"prompt": prompt}
+        obs = {"prompt": prompt, "inserted": inserted}
         if self.tokenizer is not None:
             ids = self.tokenizer(prompt, add_special_tokens=self.template != "chat")["input_ids"]
             obs["prompt_token_ids"] = np.asarray(ids, dtype=np.int64)
+            extra = self.tokenizer(inserted, add_special_tokens=False)["input_ids"] if inserted else []
+            obs["inserted_token_ids"] = np.asarray(extra, dtype=np.int64)
         return obs
 
     def _info(self) -> dict:
@@ -249,6 +283,7 @@ ENV_IDS = {
     "m2po/Arithmetic-v0": "envs.text_env:ArithmeticEnv",
     "m2po/ColumnAddition-v0": "envs.text_env:ColumnAdditionEnv",
     "m2po/MathDataset-v0": "envs.text_env:MathDatasetEnv",
+    "m2po/ToolArithmetic-v0": "envs.tool_env:ToolArithmeticEnv",
 }
 
 

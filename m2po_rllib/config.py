@@ -147,7 +147,7 @@ class M2POConfig(AlgorithmConfig):
         # on CPU; see README).
         self.rollout_engine = "auto"
         self.engine_kwargs = {}
-        # How the learner's weights reach the runners' engines (rollout/weight_transfer.py):
+        # How the learner's weights reach the runners' engines (sync/):
         # "object_store" (every runner fetches one `ray.put` of them and loads it through its
         # engine; any engine, any machine) or "native" (vLLM's weight-transfer API: the first
         # learner broadcasts to every runner's vLLM workers after each update that publishes;
@@ -168,6 +168,13 @@ class M2POConfig(AlgorithmConfig):
         self.top_k = 0
         self.max_new_tokens = 64
         self.stop = []
+        # Multi-turn episodes (rollout/episodes.py; envs whose `multi_turn` is True: the
+        # feedback mode, env_config max_turns > 1, and tool envs): the runner's caps on policy
+        # turns (None: the env's own max_turns) and on the tokens after the prompt, the
+        # policy's and the env's (None: no cap but max_new_tokens per turn). An episode that
+        # reaches a cap before it ends is truncated with reward 0.
+        self.max_episode_turns = None
+        self.max_episode_tokens = None
         # Emulated long-tailed generation time (experiments on machines where generation is
         # fast and even): each round also waits a log-normal time, {"median_s": m, "sigma": s},
         # drawn from the round's seed; None: no wait.
@@ -262,6 +269,8 @@ class M2POConfig(AlgorithmConfig):
         max_new_tokens=NotProvided,
         stop=NotProvided,
         round_delay=NotProvided,
+        max_episode_turns=NotProvided,
+        max_episode_tokens=NotProvided,
         weight_sync=NotProvided,
         weight_sync_backend=NotProvided,
         weight_sync_bucket_bytes=NotProvided,
@@ -270,6 +279,8 @@ class M2POConfig(AlgorithmConfig):
     ) -> Self:
         super().env_runners(**kwargs)
         self._set_provided(
+            max_episode_turns=max_episode_turns,
+            max_episode_tokens=max_episode_tokens,
             weight_sync=weight_sync,
             weight_sync_backend=weight_sync_backend,
             weight_sync_bucket_bytes=weight_sync_bucket_bytes,

@@ -83,6 +83,13 @@ SCORE_S = "rollout/score_s"
 WEIGHT_SYNC_S = "rollout/weight_sync_s"
 ENGINE_VERSION = "rollout/engine_policy_version"
 ENGINE_START_S = "rollout/engine_start_s"
+# Multi-turn episodes (rollout/episodes.py), means per episode of a round
+EPISODE_TURNS = "episode/turns"
+EPISODE_POLICY_TOKENS = "episode/policy_tokens"
+EPISODE_ENV_TOKENS = "episode/env_tokens"
+EPISODE_TRUNCATED = "episode/truncated_frac"  # a turn or token budget ran out: reward 0
+EPISODE_TOOL_CALLS = "episode/tool_calls"
+EPISODE_TOOL_ERRORS = "episode/tool_errors"  # calls the tool refused or failed (an error observation)
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_MEAN_AT_K = "eval/mean_at_k"
 EVAL_RESPONSE_LEN = "eval/response_len_mean"

@@ -39,6 +39,7 @@ _OPTIONAL = {
     "eps_low": _NUMBER, "eps_high": _NUMBER, "evaluation_interval": _INT, "seed": _INT,
     "micro_batch_size": _INT, "staleness_floor": _INT, "staleness_target_m2": _NUMBER,
     "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
+    "max_episode_turns": _INT, "max_episode_tokens": _INT,
 }
 _BOOLS = ("recompute_behavior_logp", "async_rollouts")
 
@@ -203,6 +204,14 @@ def check_sampling(config) -> list[Problem]:
             f"`round_delay` ({delay!r}) must be None or {{'median_s': m > 0, 'sigma': s >= 0}}: each round "
             "waits a log-normal time (median m seconds, log-scale s)",
         ))
+    if config.max_episode_turns is not None and config.max_episode_turns < 1:
+        out.append(problem("max_episode_turns", f"`max_episode_turns` ({config.max_episode_turns}) must be >= 1 "
+                                                "policy turns, or None for the env's own max_turns"))
+    tokens = config.max_episode_tokens
+    if tokens is not None and _is(config.max_new_tokens, _INT) and tokens < config.max_new_tokens:
+        out.append(problem(("max_episode_tokens", "max_new_tokens"),
+                           f"`max_episode_tokens` ({tokens}) caps a whole episode and must be >= `max_new_tokens` "
+                           f"({config.max_new_tokens}), one turn's; raise it, or None for no cap"))
     return out
 
 

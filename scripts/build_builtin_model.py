@@ -9,6 +9,10 @@ held-out accuracy is the boxed answer's); shipped as built by
 
 (379 steps in 272 s on 2 quiet cores; 18.8% greedy accuracy on all 500 held-out problems,
 22% on the first 200; accuracy is 0 until step ~325, then swings by ~10 points per step).
+`--model tool-tiny` builds `builtin:tool-tiny`, on 3-digit multiplication with a calculator
+(`m2po/ToolArithmetic-v0`): a third of the examples call it (`CALC(q)=`, the result the env
+inserts, untrained, then `\\boxed{...}`), the rest answer at once; accuracy is measured on
+whole greedy episodes (TOOL_BUILD).
 Below: arith-tiny.
 
 The base model of `make train`. Supervised training on "123+456=" -> "\\boxed{579}</s>"
@@ -113,9 +117,25 @@ def prompt(name: str, question: str) -> str:
     return render_prompt(question, BUILTIN_MODELS[name].template)
 
 
-def completion(problem) -> str:
-    """What the model learns to write: the worked solution where the task has one."""
-    return problem.solution or "\\boxed{" + problem.answer + "}"
+def completion(problem, name: str = "arith-tiny") -> tuple[str, str, str]:
+    """What the model learns to write, as (before, env, after): the worked solution where the
+    task has one; for a tool model, either a calculator call, the result the env inserts
+    (not trained on) and the boxed answer, or the boxed answer at once (a guess), chosen
+    per problem by `call_frac`."""
+    boxed = "\\boxed{" + problem.answer + "}"
+    tool = BUILTIN_MODELS[name].tool
+    if tool is None:
+        return problem.solution or boxed, "", ""
+    if _stable_fraction(problem.question) >= tool["call_frac"]:
+        return boxed, "", ""
+    call = tool["call_open"] + problem.question + tool["call_close"]
+    return call, tool["result_format"].format(problem.answer), boxed
+
+
+def _stable_fraction(text: str) -> float:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big") / 2**32
 
 
 def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):
@@ -124,10 +144,12 @@ def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):
     for i in range(batch_size):
         problem = tasks.problem(step * batch_size + i)
         p_ids = tokenizer(prompt(name, problem.question), add_special_tokens=False)["input_ids"]
-        c_ids = tokenizer(completion(problem), add_special_tokens=False)["input_ids"]
-        c_ids = c_ids + [tokenizer.eos_token_id]
+        before, env, after = completion(problem, name)
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] if t else [] for t in (before, env, after)]
+        c_ids = ids[0] + ids[1] + ids[2] + [tokenizer.eos_token_id]
         rows.append(p_ids + c_ids)
-        label_rows.append([-100] * len(p_ids) + c_ids)
+        # no loss on what the env inserts (a tool's result)
+        label_rows.append([-100] * len(p_ids) + ids[0] + [-100] * len(ids[1]) + ids[2] + [tokenizer.eos_token_id])
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])  # (B, T)
@@ -138,10 +160,43 @@ def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):
 
 def accuracy(name: str, model, tokenizer, problems) -> float:
     """Greedy held-out accuracy: the answer exactly (arith-tiny), the boxed answer after the
-    work (worked solutions)."""
+    work (worked solutions); for a tool model, whole episodes (`tool_episodes`)."""
+    if BUILTIN_MODELS[name].tool is not None:
+        return float(np.mean(tool_episodes(name, model, tokenizer, problems)[0]))
     completions = greedy_completions(model, tokenizer, [prompt(name, p.question) for p in problems],
                                      BUILTIN_MODELS[name].answer_tokens)
     return score(name, completions, problems)
+
+
+def tool_episodes(name: str, model, tokenizer, problems, tool: bool = True) -> tuple[list[float], list[bool]]:
+    """Greedy episodes of a tool model in `m2po/ToolArithmetic-v0` (its own sandbox): the first
+    turn is cut at the call's closer (the runner's stop string); a call gets the result
+    appended and a second turn. Without `tool` the first turn is scored as it is (a call is
+    no answer). Returns (rewards, whether the first turn called)."""
+    from envs.tool_env import ToolArithmeticEnv, parse_call
+    from m2po_rllib.models.builtin import tool_env_config
+
+    spec = BUILTIN_MODELS[name]
+    close = spec.tool["call_close"]
+    texts = [prompt(name, p.question) for p in problems]
+    first = greedy_completions(model, tokenizer, texts, spec.answer_tokens)
+    rewards, called, second_prompts, second_of = [0.0] * len(problems), [False] * len(problems), [], {}
+    env = ToolArithmeticEnv(**tool_env_config(name))
+    for i, (problem, text) in enumerate(zip(problems, first)):
+        called[i] = spec.tool["call_open"] in text
+        if not tool or not called[i]:
+            rewards[i] = float(score(name, [text], [problem]) > 0) if not called[i] else 0.0
+            continue
+        cut = text.split(close, 1)[0] + close
+        result = env.sandbox.run(env.tool, parse_call(cut, spec.tool["call_open"], close))
+        inserted = (env.result_format if result.ok else env.error_format).format(result.output)
+        second_of[i] = len(second_prompts)
+        second_prompts.append(texts[i] + cut + inserted)
+    if second_prompts:
+        second = greedy_completions(model, tokenizer, second_prompts, spec.answer_tokens)
+        for i, j in second_of.items():
+            rewards[i] = float(boxed_answer_match(second[j], problems[i].answer))
+    return rewards, called
 
 
 def score(name: str, completions: list[str], problems) -> float:
@@ -231,10 +286,17 @@ def build(args: argparse.Namespace) -> dict:
             eval_every=args.eval_every,
             optimizer="AdamW(betas=(0.9, 0.98), weight_decay=0.1)", grad_clip=1.0,
             target=("the worked solution" if BUILTIN_MODELS[name].task_family != "ArithmeticTasks"
-                    else "\\boxed{<answer>}") + "</s>, loss on completion tokens only",
+                    else "a calculator call, its result (no loss) and \\boxed{<answer>}, or \\boxed{<answer>} at once"
+                    if BUILTIN_MODELS[name].tool else "\\boxed{<answer>}") + "</s>, loss on completion tokens only",
         ),
         torch=torch.__version__,
     )
+    if BUILTIN_MODELS[name].tool is not None:
+        _, called = tool_episodes(name, model, tokenizer, heldout)
+        without, _ = tool_episodes(name, model, tokenizer, heldout, tool=False)
+        info.update(heldout_call_rate=float(np.mean(called)), heldout_accuracy_without_tool=float(np.mean(without)))
+        print(f"tool calls on {np.mean(called):.3f} of held-out problems; accuracy without the tool "
+              f"{np.mean(without):.3f}", flush=True)
     save(model, tokenizer, info, Path(args.out))
     return info
 

@@ -339,7 +339,7 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
     and the original weights come back the same way."""
 
     from m2po_rllib.net import free_port
-    from m2po_rllib.rollout.weight_sender import EngineTarget, NativeWeightSender, RunnerGroupClient
+    from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     greedy = SamplingConfig(max_tokens=16, temperature=0)
     sampled = SamplingConfig(n=2, max_tokens=16, seed=9, temperature=0.9)

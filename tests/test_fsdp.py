@@ -130,7 +130,7 @@ def test_fsdp_learners_broadcast_native_syncs_per_tensor_and_agree_on_deltas(ray
 
     import ray
 
-    from m2po_rllib.rollout.weight_transfer import weight_layout
+    from m2po_rllib.sync.transports import weight_layout
 
     @ray.remote(num_cpus=0)
     class Receiver:
@@ -141,7 +141,7 @@ def test_fsdp_learners_broadcast_native_syncs_per_tensor_and_agree_on_deltas(ray
             return self.layout
 
         def m2po_join_weight_group(self, init_info):
-            from m2po_rllib.rollout.gloo_transfer import _open_group
+            from m2po_rllib.sync.gloo import _open_group
 
             self.bucket_bytes = init_info["packed_buffer_size_bytes"]
             self.group = _open_group(init_info["master_address"], init_info["master_port"], init_info["rank_offset"],
@@ -150,7 +150,7 @@ def test_fsdp_learners_broadcast_native_syncs_per_tensor_and_agree_on_deltas(ray
         def m2po_receive_weights(self, update_info, version):
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-            from m2po_rllib.rollout.gloo_transfer import GlooWeightTransferEngine
+            from m2po_rllib.sync.gloo import GlooWeightTransferEngine
 
             model = SimpleNamespace(load_weights=lambda ts: self.got.update({n: t.clone() for n, t in ts}))
             worker = SimpleNamespace(group=self.group, bucket_bytes=self.bucket_bytes, model=model)

@@ -82,6 +82,8 @@ def test_no_import_cycles():
         ("m2po_rllib.torch.", "m2po_rllib.rollout"),  # the learner side never imports the runner side
         ("m2po_rllib.losses", "m2po_rllib.torch"),  # pure torch: no RLlib classes
         ("m2po_rllib.losses", "m2po_rllib.rollout"),
+        ("m2po_rllib.sync", "m2po_rllib.rollout"),  # weight sync serves both sides, imports neither
+        ("m2po_rllib.sync", "m2po_rllib.torch"),
         ("m2po_rllib.keys", "m2po_rllib."),  # the neutral modules import nothing of the package
         ("m2po_rllib.errors", "m2po_rllib."),
         ("m2po_rllib.truncation", "m2po_rllib."),

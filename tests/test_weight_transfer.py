@@ -1,4 +1,4 @@
-"""The CPU side of the weight transports (`m2po_rllib.rollout.weight_transfer`).
+"""The CPU side of the weight transports (`m2po_rllib.sync.transports`).
 
 The NCCL broadcast itself needs two GPUs (bench/gpu_vllm_check.py measures it); here: which
 transport is chosen, and that what the learner and the runners exchange is what vLLM 0.32's
@@ -14,8 +14,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from m2po_rllib.rollout.weight_sender import RunnerGroupClient, StateDictSource
-from m2po_rllib.rollout.weight_transfer import BroadcastWeights, select_transport
+from m2po_rllib.sync.sender import RunnerGroupClient, StateDictSource
+from m2po_rllib.sync.transports import BroadcastWeights, select_transport
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_gloo_receiver_cuts_the_buckets_the_sender_packs(tied_model):
     bucket plan must be exactly how vLLM's `pack_tensors` groups the same tensors."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from m2po_rllib.rollout.gloo_transfer import bucket_plan
+    from m2po_rllib.sync.gloo import bucket_plan
 
     pairs = list(StateDictSource(tied_model.state_dict, torch.float32))
     for bucket_bytes in (1, 10_000, 200_000, 10**9):
@@ -163,12 +163,12 @@ def test_gloo_receiver_cuts_the_buckets_the_sender_packs(tied_model):
 
 
 def test_native_transport_names_its_vllm_backend_and_refuses_others():
-    from m2po_rllib.rollout.weight_sender import NativeWeightSender
-    from m2po_rllib.rollout.weight_transfer import NativeTransport
+    from m2po_rllib.sync.sender import NativeWeightSender
+    from m2po_rllib.sync.transports import NativeTransport
 
     gloo = NativeTransport("gloo")
     assert gloo.llm_kwargs == {"weight_transfer_config": {"backend": "m2po_gloo"},
-                               "worker_extension_cls": "m2po_rllib.rollout.gloo_transfer.GlooWeightSyncExtension"}
+                               "worker_extension_cls": "m2po_rllib.sync.gloo.GlooWeightSyncExtension"}
     assert NativeTransport("nccl").llm_kwargs == {"weight_transfer_config": {"backend": "nccl"}}
     with pytest.raises(ValueError, match="'ipc' is not one of"):
         NativeTransport("ipc")
@@ -182,8 +182,8 @@ def test_a_runner_serving_another_layout_is_refused_before_the_group_opens(tmp_p
     """The served model's names and shapes come from its config alone (meta device); a
     learner whose tensors do not fit them is told so at connect, naming what differs."""
     from m2po_rllib.models.tiny import build_tiny_model
-    from m2po_rllib.rollout.weight_sender import NativeWeightSender
-    from m2po_rllib.rollout.weight_transfer import check_weight_layout, weight_layout
+    from m2po_rllib.sync.sender import NativeWeightSender
+    from m2po_rllib.sync.transports import check_weight_layout, weight_layout
 
     served = weight_layout(build_tiny_model(tmp_path / "same", seed=3))
     assert served == {n: list(t.shape) for n, t in tied_model.state_dict().items()}
@@ -212,7 +212,7 @@ def test_only_changed_rounds_declare_and_yield_what_changed_since_the_last_commi
     top-level module) holding a tensor whose wire value changed since the last committed
     round, whole; a failed round (no commit) is declared again; reset sends everything;
     metadata and iteration always agree (what vLLM checks)."""
-    from m2po_rllib.rollout.weight_sender import delta_unit
+    from m2po_rllib.sync.sender import delta_unit
 
     assert delta_unit("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
     assert delta_unit("model.norm.weight") == "model.norm" and delta_unit("lm_head.weight") == "lm_head"
@@ -254,7 +254,7 @@ def test_a_sharded_sender_whose_broadcast_fails_still_joins_every_gather(tied_mo
     the same order; a sending rank whose broadcast fails part way materializes the rest of
     the round (its peers wait in those gathers), closes the group and sends everything next
     time. `agree` decides the delta round's units on every rank (rank 0's set)."""
-    from m2po_rllib.rollout.weight_sender import NativeWeightSender
+    from m2po_rllib.sync.sender import NativeWeightSender
 
     gathered = []
 

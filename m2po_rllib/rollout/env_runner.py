@@ -97,6 +97,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._tokenizer = None
         self._train_envs: list[gym.Env] = []
         self._eval_envs: dict[str, gym.Env] = {}
+        self._eval_episode_envs: dict[str, list[gym.Env]] = {}  # multi-turn evaluation: one per episode
         self.make_env()
 
     # -- construction ---------------------------------------------------------------------
@@ -105,14 +106,12 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             env.close()
         self._train_envs = []
         self._eval_envs = {}
+        self._eval_episode_envs = {}
         # One env tells the spaces; the rest are made on first use (one per prompt).
         self.env = self._make_env()
-        max_turns = getattr(self.env.unwrapped, "max_turns", 1)
-        if max_turns != 1:
-            raise ValueError(
-                f"env_config max_turns={max_turns}: LLMEnvRunner samples single-turn episodes; "
-                "set env_config max_turns=1"
-            )
+        # Episodes of several policy turns (feedback, tools) go through the episode loop
+        # (episodes.py); single-turn ones keep the grouped fast path.
+        self.multi_turn = bool(getattr(self.env.unwrapped, "multi_turn", False))
         self._train_envs = [self.env]
 
     def _envs(self, n: int) -> list[gym.Env]:
@@ -249,7 +248,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def m2po_weight_layout(self) -> dict[str, list[int]]:
         """The parameter names and shapes this runner's model has (checked before the group opens)."""
         from m2po_rllib.models.builtin import resolve_model_path
-        from m2po_rllib.rollout.weight_transfer import weight_layout
+        from m2po_rllib.sync.transports import weight_layout
 
         return weight_layout(resolve_model_path(engine_settings(self.config)["model"]))
 
@@ -260,7 +259,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
         """Receives one broadcast as `version` (between rounds: Ray runs this actor's calls one
         at a time)."""
-        from m2po_rllib.rollout.weight_transfer import BroadcastWeights
+        from m2po_rllib.sync.transports import BroadcastWeights
 
         t0 = time.perf_counter()
         loaded = self.engine.update_weights(BroadcastWeights(**update_info), version)
@@ -286,15 +285,37 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         from m2po_rllib.rollout.engine import SamplingConfig
 
         cfg = self.config
+        env_stop = [s for s in getattr(self.env.unwrapped, "stop", ()) if s not in (cfg.stop or [])]
         return SamplingConfig(
             n=n,
             temperature=0.0 if greedy else cfg.temperature,
             top_p=1.0 if greedy else cfg.top_p,
             top_k=0 if greedy else cfg.top_k,
             max_tokens=cfg.max_new_tokens,
-            stop=list(cfg.stop or []),
+            stop=list(cfg.stop or []) + env_stop,
             seed=seed,
         )
+
+    # -- multi-turn episodes (episodes.py) ------------------------------------------------
+    @property
+    def max_episode_turns(self) -> int:
+        """The turn cap: the env's own, or the runner's `max_episode_turns` if lower."""
+        env_turns = int(getattr(self.env.unwrapped, "max_turns", 1))
+        cap = self.config.max_episode_turns
+        return env_turns if cap is None else min(env_turns, int(cap))
+
+    def _play(self, envs: list[gym.Env], prompt_ids: list[list[int]], *, greedy: bool, seed: int):
+        """Plays one episode per env (each already reset; `prompt_ids` its first observation),
+        every turn's requests seeded from `seed` and the turn."""
+        from m2po_rllib.rollout.episodes import Episode, run_episodes
+
+        episodes = [Episode(list(ids), env.unwrapped) for ids, env in zip(prompt_ids, envs)]
+        run_episodes(
+            self.engine, episodes,
+            lambda turn: self._sampling(n=1, greedy=greedy, seed=seed + turn * 100_003),
+            max_turns=self.max_episode_turns, max_tokens=self.config.max_episode_tokens,
+        )
+        return episodes
 
     @override(EnvRunner)
     def sample(
@@ -331,33 +352,57 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         # rounds (seed, seed + 1) do not share per-request random streams.
         base = int(np.random.SeedSequence([seed, stream, 1]).generate_state(1)[0] >> 1)
         t0 = time.perf_counter()
-        groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
+        policy_masks = None
+        if self.multi_turn:
+            # one episode per sample: the group's g envs reset on the prompt's seed
+            episode_envs = self._envs(num_prompts * g)
+            first_ids = []
+            for p in range(num_prompts):
+                prompt_seed = int(np.random.SeedSequence([seed, stream, 0, p]).generate_state(1)[0])
+                for env in episode_envs[p * g : (p + 1) * g]:
+                    first_ids.append(env.reset(seed=prompt_seed)[0]["prompt_token_ids"].tolist())
+            episodes = self._play(episode_envs, first_ids, greedy=False, seed=base)
+        else:
+            groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
         if cfg.round_delay:  # emulated long-tailed generation time
             time.sleep(round_delay_s(cfg.round_delay, seed, stream))
         t_gen = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         rows_prompt, rows_resp, rows_logp, rewards, correct = [], [], [], [], []
-        for ids, env, completions in zip(prompt_ids, envs, groups):
-            for c, verdict in zip(completions, env.unwrapped.score_group([c.text for c in completions])):
-                rows_prompt.append(ids)
-                rows_resp.append(list(c.token_ids))
-                rows_logp.append(list(c.logprobs))
-                rewards.append(float(verdict.reward))
-                correct.append(bool(verdict.correct))
+        if self.multi_turn:  # scored by the env, turn by turn
+            from m2po_rllib.rollout.episodes import episode_metrics
+
+            for e in episodes:
+                rows_prompt.append(e.prompt_ids)
+                rows_resp.append(e.token_ids)
+                rows_logp.append(e.logprobs)
+                rewards.append(e.reward)
+                correct.append(e.correct)
+            policy_masks = [e.policy_mask for e in episodes]
+            for key, value in episode_metrics(episodes).items():
+                self.metrics.log_value(key, value, reduce="mean")
+        else:
+            for ids, env, completions in zip(prompt_ids, envs, groups):
+                for c, verdict in zip(completions, env.unwrapped.score_group([c.text for c in completions])):
+                    rows_prompt.append(ids)
+                    rows_resp.append(list(c.token_ids))
+                    rows_logp.append(list(c.logprobs))
+                    rewards.append(float(verdict.reward))
+                    correct.append(bool(verdict.correct))
         t_score = time.perf_counter() - t0
 
         n_rows = len(rewards)
         batch = pack_rollouts(
             rows_prompt, rows_resp, rows_logp, rewards, max(engine.version, 0),
-            sample_ids=range(first_sample_id, first_sample_id + n_rows),
+            sample_ids=range(first_sample_id, first_sample_id + n_rows), policy_masks=policy_masks,
         )
         if self._scorer is not None:  # behaviour log-probs in the learner's numerics
             t0 = time.perf_counter()
             batch["engine_logp"] = batch["behavior_logp"]
             batch["behavior_logp"] = self._scorer.score(batch)
             self.metrics.log_value(keys.BEHAVIOR_LOGP_S, time.perf_counter() - t0, reduce="mean")
-        n_tokens = int(batch["response_mask"].sum())
+        n_tokens = int(batch["response_mask"].sum())  # the policy's
         self.metrics.log_value(keys.REWARD_MEAN, float(np.mean(rewards)), reduce="mean")
         self.metrics.log_value(keys.ACCURACY, float(np.mean(correct)), reduce="mean")
         self.metrics.log_value(keys.RESPONSE_LEN, n_tokens / n_rows, reduce="mean")
@@ -397,6 +442,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             prompt_ids.append(obs["prompt_token_ids"].tolist())
         engine = self.engine
         out = {"n": len(indices), "greedy_correct": 0, "sampled_correct": 0, "sampled_n": 0, "tokens": 0}
+        if self.multi_turn:
+            return self._evaluate_episodes(indices, samples, seed, split, out)
         greedy = engine.generate(prompt_ids, self._sampling(n=1, greedy=True, seed=seed))
         sampled = (
             engine.generate(prompt_ids, self._sampling(n=samples, greedy=False, seed=seed))
@@ -410,6 +457,25 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             out["tokens"] += len(first[0].token_ids)
             out["sampled_correct"] += sum(int(v.reward > 0) for v in verdicts[1:])
             out["sampled_n"] += len(group)
+        return out
+
+    def _evaluate_episodes(self, indices, samples: int, seed: int, split: str, out: dict) -> dict[str, Any]:
+        """`evaluate` for multi-turn envs: a greedy episode per problem (and `samples` sampled
+        ones with samples > 1), each on its own env."""
+        pool = self._eval_episode_envs.setdefault(split, [])
+        for greedy, k in [(True, 1)] + ([(False, samples)] if samples > 1 else []):
+            while len(pool) < len(indices) * k:
+                pool.append(self._make_env(split=split))
+            envs = pool[: len(indices) * k]  # k episodes of problem indices[j // k]
+            first = [env.reset(options={"index": int(indices[j // k])})[0]["prompt_token_ids"].tolist()
+                     for j, env in enumerate(envs)]
+            episodes = self._play(envs, first, greedy=greedy, seed=seed)
+            if greedy:
+                out["greedy_correct"] += sum(int(e.reward > 0) for e in episodes)
+                out["tokens"] += sum(e.policy_tokens for e in episodes)
+            else:
+                out["sampled_correct"] += sum(int(e.reward > 0) for e in episodes)
+                out["sampled_n"] += len(episodes)
         return out
 
     @override(EnvRunner)
@@ -443,7 +509,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._engine = None
         for env in self._train_envs:
             env.close()
-        for env in self._eval_envs.values():
+        for env in [*self._eval_envs.values(), *(e for pool in self._eval_episode_envs.values() for e in pool)]:
             env.close()
 
     def __del__(self):

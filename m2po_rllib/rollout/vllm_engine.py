@@ -5,7 +5,7 @@ for a sampled token is taken after temperature scaling and top-k / top-p masking
 distribution it was sampled from; greedy requests get the raw log-softmax (vLLM's
 `Sampler.sample`). Plain vLLM would return raw-logit log-probs whatever the temperature.
 
-Weight sync: `weight_transfer.py` holds both paths behind `WeightTransport`. A Mapping of
+Weight sync: `m2po_rllib/sync/transports.py` holds both paths behind `WeightTransport`. A Mapping of
 tensors goes the object-store path (`ObjectStoreTransport`: safetensors chunks of at most
 `sync_chunk_bytes` through `collective_rpc`); a `BroadcastWeights` notice goes vLLM's native
 weight-transfer path (`NativeTransport`, after `join_weight_group`: "nccl" on CUDA, "gloo"
@@ -31,8 +31,8 @@ from collections.abc import Mapping
 import torch
 
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
-from m2po_rllib.rollout.vllm_worker import WeightSyncExtension
-from m2po_rllib.rollout.weight_transfer import (  # noqa: F401  (serialize_weight_chunks: re-exported)
+from m2po_rllib.sync.vllm_worker import WeightSyncExtension
+from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks: re-exported)
     DEFAULT_SYNC_CHUNK_BYTES,
     TRANSPORTS,
     BroadcastWeights,

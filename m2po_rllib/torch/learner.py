@@ -113,13 +113,13 @@ class M2POTorchLearner(TorchLearner):
                 self.module[module_id].unwrapped().gather_full_weights()
             self._full_weights_version = self.policy_version
 
-    # -- native weight sync (weight_sync="native"; rollout/weight_sender.py) ----------------
+    # -- native weight sync (weight_sync="native"; sync/sender.py) ----------------
     def connect_weight_sync(self, targets: list, workers_per_target: list[int]) -> dict[str, float] | None:
         """Forms the weight-transfer group with the EnvRunner actors `targets` (the first
         learner; with sharded weights every learner calls this, the others only gather) and
         sends the current weights. Returns the sync's metrics on the first learner
         (`LearnerWeightSync.metrics`; None on the others)."""
-        from m2po_rllib.rollout.weight_sender import LearnerWeightSync
+        from m2po_rllib.sync.sender import LearnerWeightSync
 
         cfg = self.config
         if self._weight_sync is None:

@@ -5,6 +5,9 @@ consecutive rows sharing one prompt:
     prompt_ids      (B, P) int64, left-padded     prompt_mask   (B, P) float32
     response_ids    (B, R) int64, right-padded    response_mask (B, R) float32
     behavior_logp   (B, R) float32   log-prob of each token under the generating weights
+    env_mask        (B, R) float32   only for multi-turn episodes: 1 for the tokens the env
+                                     inserted (a tool's result, feedback), which the learner
+                                     attends to but never trains on (response_mask is 0 there)
     engine_logp     (B, R) float32   only with recompute_behavior_logp: the engine's own
                                      log-probs, while behavior_logp holds the learner-numerics
                                      ones (what rollout corrections and mismatch metrics compare)
@@ -24,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 ROW_KEYS_2D_LEFT = ("prompt_ids", "prompt_mask")
-ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp", "engine_logp")
+ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp", "engine_logp", "env_mask")
 ROW_KEYS_1D = ("rewards", "policy_version", "sample_id")
 
 
@@ -47,9 +50,11 @@ def pack_rollouts(
     rewards: Sequence[float],
     policy_version: int,
     sample_ids: Sequence[int] | None = None,
+    policy_masks: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Pads one rollout round into a batch (rows in the order given); `sample_ids` default
-    to 0..B-1."""
+    to 0..B-1. `policy_masks` (multi-turn episodes): per response token, 1 if the policy
+    generated it, 0 if the env inserted it; the batch then has `env_mask`."""
     n = len(prompt_ids)
     if not (len(response_ids) == len(behavior_logp) == len(rewards) == n):
         raise ValueError(
@@ -63,18 +68,25 @@ def pack_rollouts(
     for i, (r, lp) in enumerate(zip(response_ids, behavior_logp)):
         if len(r) != len(lp):
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} log-probs")
+        if policy_masks is not None and len(policy_masks[i]) != len(r):
+            raise ValueError(f"row {i}: {len(r)} response tokens but a policy mask of {len(policy_masks[i])}")
     p = max((len(x) for x in prompt_ids), default=0)
     r = max(1, max((len(x) for x in response_ids), default=0))
-    return {
+    policy = policy_masks if policy_masks is not None else [[1.0] * len(x) for x in response_ids]
+    batch = {
         "prompt_ids": _pad(prompt_ids, p, np.int64, left=True),
         "prompt_mask": _pad([[1.0] * len(x) for x in prompt_ids], p, np.float32, left=True),
         "response_ids": _pad(response_ids, r, np.int64, left=False),
-        "response_mask": _pad([[1.0] * len(x) for x in response_ids], r, np.float32, left=False),
-        "behavior_logp": _pad(behavior_logp, r, np.float32, left=False),
+        "response_mask": _pad(policy, r, np.float32, left=False),
+        # the env's tokens carry no behaviour log-prob
+        "behavior_logp": _pad(behavior_logp, r, np.float32, left=False) * (_pad(policy, r, np.float32, left=False) > 0),
         "rewards": np.asarray(rewards, dtype=np.float32),
         "policy_version": np.full(n, policy_version, dtype=np.int64),
         "sample_id": np.asarray(list(sample_ids), dtype=np.int64),
     }
+    if policy_masks is not None:
+        batch["env_mask"] = _pad([[1.0 - float(m) for m in row] for row in policy_masks], r, np.float32, left=False)
+    return batch
 
 
 def _repad(a: np.ndarray, width: int, left: bool) -> np.ndarray:
@@ -115,9 +127,11 @@ def take_rows(batch: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.n
 def to_train_batch(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict[str, np.ndarray]:
     """The learner's view: one token sequence per row plus what the loss needs."""
     extra = {"engine_logp": batch["engine_logp"]} if "engine_logp" in batch else {}
+    attended = batch["response_mask"] + batch["env_mask"] if "env_mask" in batch else batch["response_mask"]
     return extra | {
         "input_ids": np.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1),
-        "attention_mask": np.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1),
+        # every real token is attended to; the loss reads response_mask (the policy's tokens)
+        "attention_mask": np.concatenate([batch["prompt_mask"], attended], axis=1),
         "response_mask": batch["response_mask"],
         "behavior_logp": batch["behavior_logp"],
         "advantages": advantages.astype(np.float32),

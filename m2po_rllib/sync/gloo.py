@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
-from m2po_rllib.rollout.vllm_worker import WeightSyncExtension
+from m2po_rllib.sync.vllm_worker import WeightSyncExtension
 
 BACKEND = "m2po_gloo"
 DEFAULT_BUCKET_BYTES = 64 * 2**20

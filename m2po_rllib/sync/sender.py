@@ -1,5 +1,5 @@
 """The learners' side of vLLM's native weight transfer (`NativeTransport` in
-weight_transfer.py is the runners' side).
+transports.py is the runners' side).
 
 - `StateDictSource`: the learner's weights as vLLM's `WeightSource`, one tensor made whole
   and cast at a time (sharded learners gather per tensor, never the whole model), whole
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from m2po_rllib.rollout.weight_transfer import NATIVE_BACKENDS, BroadcastWeights, check_weight_layout, weight_layout
+from m2po_rllib.sync.transports import NATIVE_BACKENDS, BroadcastWeights, check_weight_layout, weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class NativeWeightSender:
         self.source.reset()  # a new group: every receiver gets everything first
         self._sent_version = None
         if self.backend == "gloo":
-            from m2po_rllib.rollout.gloo_transfer import GlooTrainerInitInfo as InitInfo
+            from m2po_rllib.sync.gloo import GlooTrainerInitInfo as InitInfo
         else:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
 

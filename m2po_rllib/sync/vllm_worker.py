@@ -1,6 +1,6 @@
 """Code that runs inside each vLLM worker process: `WeightSyncExtension`, mixed into the
 worker (`LLM(worker_extension_cls=...)`), whose methods `LLM.collective_rpc` calls there
-(the object-store weight path of `weight_transfer.py`). Of this package it imports only
+(the object-store weight path of `transports.py`). Of this package it imports only
 `log_filters`, so the worker loads it without the learner's modules."""
 
 from __future__ import annotations

@@ -8,12 +8,12 @@
   repacked kernel weights are rebuilt once, whole.
 - `NativeTransport` (vLLM 0.32's weight-transfer API, `LLM(weight_transfer_config=...)`):
   the learner is rank 0 of a group whose other ranks are the vLLM workers of every
-  EnvRunner (`NativeWeightSender` in weight_sender.py, around vLLM's trainer engine); it broadcasts the tensors
+  EnvRunner (`NativeWeightSender` in sender.py, around vLLM's trainer engine); it broadcasts the tensors
   in buckets while each runner, sent only their names, dtypes and shapes
   (`BroadcastWeights`), receives them inside `start_weight_update` / `update_weights` /
   `finish_weight_update`. Backend "nccl" (vLLM's, GPU to GPU; NCCL refuses two ranks on
   one GPU, so a learner sharing a GPU with vLLM keeps the object-store path) or "gloo"
-  (`gloo_transfer.py`: the same protocol over a gloo group, registered with vLLM as
+  (`gloo.py`: the same protocol over a gloo group, registered with vLLM as
   "m2po_gloo"; any machine, and how the protocol is tested on CPU).
 
 `select_transport` picks one ("auto": nccl when both sides are on CUDA and on different
@@ -168,7 +168,7 @@ class NativeTransport(WeightTransport):
         the worker extension module, which each vLLM worker imports before loading the model)."""
         kwargs: dict = {"weight_transfer_config": {"backend": NATIVE_BACKENDS[self.name]}}
         if self.name == "gloo":
-            kwargs["worker_extension_cls"] = "m2po_rllib.rollout.gloo_transfer.GlooWeightSyncExtension"
+            kwargs["worker_extension_cls"] = "m2po_rllib.sync.gloo.GlooWeightSyncExtension"
         return kwargs
 
     def join(self, workers: VLLMWorkers, init_info: dict) -> None:

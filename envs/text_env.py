@@ -7,7 +7,9 @@
 Observation: a dict with "prompt" (the rendered prompt, or the whole conversation so far
 in a multi-turn episode) and, when a tokenizer is bound, "prompt_token_ids" (int64
 array; special tokens are added for non-chat templates, the chat template already has
-them). Action: the completion text (str; bytes or None are accepted and scored 0 if
+them). Multi-turn envs add "inserted" (and "inserted_token_ids"): what the env appended
+after the policy's last turn (empty at reset), which a runner keeping the policy's own
+token ids appends instead of re-tokenizing the conversation. Action: the completion text (str; bytes or None are accepted and scored 0 if
 unreadable). Reward: 1.0 for a correct final answer, else 0.0, from `envs.reward`.
 
 Episodes. `reset(seed=s)` picks the problem from `s` alone, so G copies reset with the
@@ -86,10 +88,13 @@ class MathTextEnv(gym.Env):
         self.tokenizer = load_tokenizer(tokenizer)
         self.max_turns = max_turns
         render_prompt("1+1", template, self.tokenizer)  # fail now on a bad template, not at reset
-        obs = {"prompt": AnyText(MAX_TEXT_CHARS), "inserted": AnyText(MAX_TEXT_CHARS)}
+        obs = {"prompt": AnyText(MAX_TEXT_CHARS)}
+        if self.multi_turn:  # what the env appends after a policy turn (empty at reset)
+            obs["inserted"] = AnyText(MAX_TEXT_CHARS, min_length=0)
         if self.tokenizer is not None:
             obs["prompt_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
-            obs["inserted_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
+            if self.multi_turn:
+                obs["inserted_token_ids"] = spaces.Sequence(spaces.Discrete(len(self.tokenizer)), stack=True)
         self.observation_space = spaces.Dict(obs)
         self.action_space = AnyText(MAX_TEXT_CHARS)
         self.problem: Problem | None = None
@@ -213,12 +218,15 @@ class MathTextEnv(gym.Env):
 
     def _observation(self, inserted: str = "") -> dict:
         prompt = self.render_conversation()
-        obs = {"prompt": prompt, "inserted": inserted}
+        obs = {"prompt": prompt}
+        if self.multi_turn:
+            obs["inserted"] = inserted
         if self.tokenizer is not None:
             ids = self.tokenizer(prompt, add_special_tokens=self.template != "chat")["input_ids"]
             obs["prompt_token_ids"] = np.asarray(ids, dtype=np.int64)
-            extra = self.tokenizer(inserted, add_special_tokens=False)["input_ids"] if inserted else []
-            obs["inserted_token_ids"] = np.asarray(extra, dtype=np.int64)
+            if self.multi_turn:
+                extra = self.tokenizer(inserted, add_special_tokens=False)["input_ids"] if inserted else []
+                obs["inserted_token_ids"] = np.asarray(extra, dtype=np.int64)
         return obs
 
     def _info(self) -> dict:

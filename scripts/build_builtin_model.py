@@ -10,9 +10,12 @@ held-out accuracy is the boxed answer's); shipped as built by
 (379 steps in 272 s on 2 quiet cores; 18.8% greedy accuracy on all 500 held-out problems,
 22% on the first 200; accuracy is 0 until step ~325, then swings by ~10 points per step).
 `--model tool-tiny` builds `builtin:tool-tiny`, on 3-digit multiplication with a calculator
-(`m2po/ToolArithmetic-v0`): a third of the examples call it (`CALC(q)=`, the result the env
-inserts, untrained, then `\\boxed{...}`), the rest answer at once; accuracy is measured on
-whole greedy episodes (TOOL_BUILD).
+(`m2po/ToolArithmetic-v0`): problems whose first digit is 1, 2 or 3 (about a third) are
+taught to call it (`CALC(q)=`, the result the env inserts, untrained, then `\\boxed{...}`),
+the rest to answer at once; accuracy is measured on whole greedy episodes; shipped as built by
+`--model tool-tiny --threads 2 --eval-every 10`: 120 steps in 137 s, 18.2% greedy accuracy on
+all 500 held-out episodes (23.5% on the first 200), a call on 32.8% of them, 0.0% without
+the calculator.
 Below: arith-tiny.
 
 The base model of `make train`. Supervised training on "123+456=" -> "\\boxed{579}</s>"
@@ -120,22 +123,17 @@ def prompt(name: str, question: str) -> str:
 def completion(problem, name: str = "arith-tiny") -> tuple[str, str, str]:
     """What the model learns to write, as (before, env, after): the worked solution where the
     task has one; for a tool model, either a calculator call, the result the env inserts
-    (not trained on) and the boxed answer, or the boxed answer at once (a guess), chosen
-    per problem by `call_frac`."""
+    (not trained on) and the boxed answer, or the boxed answer at once (a guess): a call
+    when the question's first digit is in `call_when_first_digit` (a rule the model can
+    learn, so that it calls greedily on those problems; RL can spread the habit to the rest)."""
     boxed = "\\boxed{" + problem.answer + "}"
     tool = BUILTIN_MODELS[name].tool
     if tool is None:
         return problem.solution or boxed, "", ""
-    if _stable_fraction(problem.question) >= tool["call_frac"]:
+    if problem.question[0] not in tool["call_when_first_digit"]:
         return boxed, "", ""
     call = tool["call_open"] + problem.question + tool["call_close"]
     return call, tool["result_format"].format(problem.answer), boxed
-
-
-def _stable_fraction(text: str) -> float:
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big") / 2**32
 
 
 def train_batch(name: str, tasks, tokenizer, step: int, batch_size: int):

@@ -276,6 +276,34 @@ def test_greedy_generation_agrees_between_hf_and_vllm(hf_engine, vllm_engine, pr
     assert_same(hf, vllm_engine.generate(prompt_ids, sampling))
 
 
+def test_multi_turn_episodes_are_the_same_on_vllm_and_hf(hf_engine, vllm_engine, tiny_model_dir):
+    """The runner's episode loop (rollout/episodes.py) on both engines, greedy, feedback
+    episodes of 3 turns: the same tokens, policy masks and rewards (each turn's context is
+    the prompt and everything so far, as token ids)."""
+    import gymnasium as gym
+    from transformers import AutoTokenizer
+
+    import envs  # noqa: F401
+    from m2po_rllib.rollout.episodes import Episode, run_episodes
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    played = []
+    for engine in (hf_engine, vllm_engine):
+        episodes = []
+        for seed in range(4):
+            env = gym.make("m2po/Arithmetic-v0", disable_env_checker=True, tokenizer=tokenizer, template="compact",
+                           digits=2, max_turns=3).unwrapped
+            episodes.append(Episode(env.reset(seed=seed)[0]["prompt_token_ids"].tolist(), env))
+        run_episodes(engine, episodes, lambda turn: SamplingConfig(n=1, max_tokens=8, temperature=0), max_turns=3)
+        played.append(episodes)
+    hf, vl = played
+    assert max(e.turns for e in hf) > 1  # the random model is wrong: the env's feedback follows
+    for a, b in zip(hf, vl):
+        assert (a.token_ids, a.policy_mask, a.reward, a.turns) == (b.token_ids, b.policy_mask, b.reward, b.turns)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x - y) < 1e-3
+
+
 @pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
 def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
     engine, prompt_ids, tiny_model_dir, other_model_dir

@@ -216,3 +216,40 @@ def test_training_on_feedback_episodes_replays_the_engine_exactly(ray_session):
         assert np.isfinite(result["learners"]["default_policy"][keys.LOSS])
     finally:
         algo.stop()
+
+
+def test_the_builtin_tool_model_needs_the_tool():
+    """builtin:tool-tiny through the runner's multi-turn evaluation (greedy episodes, the HF
+    engine, the sandboxed calculator): right on some problems with the calculator, on
+    almost none without it (max_turns 1: a call is then no answer)."""
+    from m2po_rllib.models.builtin import BUILTIN_MODELS, tool_env_config
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+    spec = BUILTIN_MODELS["tool-tiny"]
+    accuracy = {}
+    for turns in (3, 1):
+        cfg = _config("m2po/ToolArithmetic-v0", {**tool_env_config("tool-tiny"), "max_turns": turns})
+        cfg.rl_module(model_config={"model": "builtin:tool-tiny"}).env_runners(max_new_tokens=spec.answer_tokens)
+        runner = LLMEnvRunner(config=cfg)
+        try:
+            out = runner.evaluate(indices=list(range(100)))
+            accuracy[turns] = out["greedy_correct"] / out["n"]
+        finally:
+            runner.stop()
+    assert accuracy[3] >= 0.1 and accuracy[1] <= 0.02, accuracy
+
+
+@pytest.mark.slow
+def test_async_rollouts_train_on_episodes(ray_session):
+    """Multi-turn episodes from a remote runner in async mode: several turns per episode,
+    every trained row within the bound, a finite loss."""
+    cfg = _config(max_episode_turns=2)
+    cfg.env_runners(num_env_runners=1).training(async_rollouts=True, max_staleness=3, logp_mismatch_interval=0)
+    algo = cfg.build_algo()
+    try:
+        for _ in range(2):
+            result = algo.train()
+        assert result["env_runners"][keys.EPISODE_TURNS] > 1 and result["staleness/max"] <= 3
+        assert np.isfinite(result["learners"]["default_policy"][keys.LOSS])
+    finally:
+        algo.stop()

@@ -38,6 +38,12 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "runner_idle_frac": (keys.RUNNER_IDLE_FRAC,),
     "staleness_bound": (keys.STALENESS_BOUND,),  # async: the max_staleness in force
     "rounds_waiting": (keys.ROUNDS_WAITING,),
+    # multi-turn episodes (means per episode of the iteration's rounds)
+    "episode_turns": runner(keys.EPISODE_TURNS),
+    "tool_calls": runner(keys.EPISODE_TOOL_CALLS),
+    "tool_errors": runner(keys.EPISODE_TOOL_ERRORS),
+    "episode_truncated": runner(keys.EPISODE_TRUNCATED),
+    "env_tokens": runner(keys.EPISODE_ENV_TOKENS),
 }
 # One of these per clip loss (grpo, gspo, m2po_official).
 CLIPPED_FRAC = keys.CLIPPED_FRAC_PATHS

@@ -33,8 +33,9 @@ class BuiltinModel:
     """Longest answer it was trained to write, in tokens (`max_new_tokens` for it)."""
     tool: dict | None = None
     """For a tool-use model: the `m2po/ToolArithmetic-v0` env_config keys of its call syntax
-    (markers made of its characters), and `call_frac`, the share of warm-start examples that
-    call the calculator (the others answer at once)."""
+    (markers made of its characters), and `call_when_first_digit`: the warm start's examples
+    call the calculator when the question starts with one of these digits (the others answer
+    at once)."""
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -58,13 +59,14 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tool-tiny": BuiltinModel(
         description=(
             "The same 0.8M-parameter character-level Qwen2, warm-started on 3-digit "
-            "multiplication (`m2po/ToolArithmetic-v0`) from examples of which a third call the "
-            "calculator, `123*456=CALC(123*456)=56088.\\boxed{56088}`, and the rest guess "
-            "`\\boxed{...}` at once: it calls the tool sometimes, and can hardly multiply."
+            "multiplication (`m2po/ToolArithmetic-v0`): problems whose first digit is 1-3 are "
+            "taught to call the calculator, `123*456=CALC(123*456)=56088.\\boxed{56088}`, the "
+            "rest to guess `\\boxed{...}` at once: it calls the tool on a third of the problems, "
+            "and can hardly multiply."
         ),
         task=dict(digits=3, num_operands=2, operators="*"),
         answer_tokens=24,
-        tool=dict(call_open="CALC(", call_close=")=", result_format="{}.", error_format="ERR.", call_frac=1 / 3),
+        tool=dict(call_open="CALC(", call_close=")=", result_format="{}.", error_format="ERR.", call_when_first_digit="123"),
     ),
 }
 
@@ -75,7 +77,7 @@ def tool_env_config(name: str) -> dict:
     spec = BUILTIN_MODELS[name]
     if spec.tool is None:
         raise ValueError(f"builtin:{name} is not a tool-use model")
-    return {**spec.task, "template": spec.template, **{k: v for k, v in spec.tool.items() if k != "call_frac"}}
+    return {**spec.task, "template": spec.template, **{k: v for k, v in spec.tool.items() if k != "call_when_first_digit"}}
 
 
 def builtin_dir(name: str) -> Path:

@@ -348,9 +348,13 @@ class M2POConfig(AlgorithmConfig):
         ranks on one GPU, which fractional GPUs may share)."""
         if self.weight_sync_backend != "auto":
             return self.weight_sync_backend
-        learner_gpu = (self.num_gpus_per_learner if self.num_learners > 0 else self.num_gpus) or 0
-        gpus = torch.cuda.is_available() and learner_gpu >= 1 and (self.num_gpus_per_env_runner or 0) >= 1
+        gpus = torch.cuda.is_available() and self.learner_gpus >= 1 and (self.num_gpus_per_env_runner or 0) >= 1
         return "nccl" if gpus else "gloo"
+
+    @property
+    def learner_gpus(self) -> float:
+        """GPUs per learner (the driver's with a local learner)."""
+        return (self.num_gpus_per_learner if self.num_learners > 0 else self.num_gpus) or 0
 
     def served_dtype(self) -> torch.dtype:
         """The dtype the runners' engines serve the weights in (what a native sync sends)."""

@@ -363,7 +363,7 @@ def check_weight_sync(config) -> list[Problem]:
     if config.weight_sync_backend == "nccl":
         import torch
 
-        learner_gpu = (config.num_gpus_per_learner if config.num_learners > 0 else config.num_gpus) or 0
+        learner_gpu = config.learner_gpus
         if not torch.cuda.is_available() or not learner_gpu or not config.num_gpus_per_env_runner:
             out.append(problem(("weight_sync_backend",),
                                "weight_sync_backend='nccl' needs GPUs on both sides (CUDA here: "

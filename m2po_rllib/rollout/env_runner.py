@@ -340,10 +340,13 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         num_prompts = num_prompts or cfg.prompts_per_step
         stream = self.worker_index if stream is None else stream
         self._use(weights)
-        envs = self._envs(num_prompts)
+        # one env per prompt, or per sample in multi-turn episodes (the group's g envs reset on
+        # the prompt's seed, so they share its problem)
+        copies = g if self.multi_turn else 1
+        envs = self._envs(num_prompts * copies)
         prompt_ids = []
-        for p, env in enumerate(envs):
-            prompt_seed = int(np.random.SeedSequence([seed, stream, 0, p]).generate_state(1)[0])
+        for i, env in enumerate(envs):
+            prompt_seed = int(np.random.SeedSequence([seed, stream, 0, i // copies]).generate_state(1)[0])
             obs, _ = env.reset(seed=prompt_seed)
             prompt_ids.append(obs["prompt_token_ids"].tolist())
 
@@ -354,14 +357,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         t0 = time.perf_counter()
         policy_masks = None
         if self.multi_turn:
-            # one episode per sample: the group's g envs reset on the prompt's seed
-            episode_envs = self._envs(num_prompts * g)
-            first_ids = []
-            for p in range(num_prompts):
-                prompt_seed = int(np.random.SeedSequence([seed, stream, 0, p]).generate_state(1)[0])
-                for env in episode_envs[p * g : (p + 1) * g]:
-                    first_ids.append(env.reset(seed=prompt_seed)[0]["prompt_token_ids"].tolist())
-            episodes = self._play(episode_envs, first_ids, greedy=False, seed=base)
+            episodes = self._play(envs, prompt_ids, greedy=False, seed=base)
         else:
             groups = engine.generate(prompt_ids, self._sampling(n=g, greedy=False, seed=base))
         if cfg.round_delay:  # emulated long-tailed generation time

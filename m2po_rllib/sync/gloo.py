@@ -13,7 +13,7 @@ dtypes and shapes it is sent). Rank 0 is the learner's sender, the vLLM workers 
 Each bucket is received into a fresh buffer (layerwise reload keeps references to what it
 was handed until a layer is complete).
 
-The same trainer/worker calls select NCCL on CUDA (`weight_transfer.native_backend`), so the
+The same trainer/worker calls select NCCL on CUDA (`weight_sync_backend="auto"`), so the
 protocol tested here on CPU (group set-up, versions, a runner joining late, a failed peer)
 is the one a GPU cluster runs.
 

@@ -44,7 +44,7 @@ from ray.rllib.utils.metrics import (
 )
 
 import envs  # noqa: F401  (registers the m2po/* env ids)
-from m2po_rllib import keys
+from m2po_rllib import checkpoints, keys
 from m2po_rllib.config import M2POConfig
 from m2po_rllib.learner_calls import on_learners, ready_update_results, runner_actors
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
@@ -72,6 +72,12 @@ def local_path(path):
     if not isinstance(path, str) or "://" in path:
         return path
     return os.path.abspath(os.path.expanduser(path))
+
+
+def _restorable(path):
+    """A local path's newest complete checkpoint (checkpoints.resolve); a URI as given."""
+    path = local_path(path)
+    return checkpoints.resolve(path) if isinstance(path, str) and "://" not in path else path
 
 
 class _IterationPace:
@@ -408,18 +414,24 @@ class M2PO(Algorithm):
     # -- checkpoints: the stale queue and the rounds in flight are training state ---------
     # Paths: RLlib reads a relative path as a URI without a scheme and fails; a local path
     # (relative, or with ~) is made absolute here, at the API's edge. URIs pass unchanged.
+    # A local save replaces the previous checkpoint whole or not at all, and a restore takes
+    # the newest complete one (checkpoints.py): a kill mid-save loses nothing saved before.
     @override(Algorithm)
     def save_to_path(self, path=None, *args, **kwargs) -> str:
-        return super().save_to_path(local_path(path), *args, **kwargs)
+        path = local_path(path)
+        if path is None or "://" in str(path):
+            return super().save_to_path(path, *args, **kwargs)
+        write = lambda directory: super(M2PO, self).save_to_path(directory, *args, **kwargs)  # noqa: E731
+        return checkpoints.save(path, write, iteration=self.iteration)
 
     @override(Algorithm)
     def restore_from_path(self, path, *args, **kwargs):
-        return super().restore_from_path(local_path(path), *args, **kwargs)
+        return super().restore_from_path(_restorable(path), *args, **kwargs)
 
     @classmethod
     @override(Algorithm)
     def from_checkpoint(cls, path, *args, **kwargs):
-        return super().from_checkpoint(local_path(path), *args, **kwargs)
+        return super().from_checkpoint(_restorable(path), *args, **kwargs)
 
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from m2po_rllib.config_io import (
     load_spec,
     parse_override,
 )
+from m2po_rllib import checkpoints, durable
 from m2po_rllib.errors import ConfigError
 
 # tensorboard: "default" writes the history record's fields, the timers and the pace
@@ -61,9 +63,6 @@ def default_config_path() -> str:
 
     return str(resources.files("m2po_rllib") / "configs" / "default.yaml")
 
-_CHECKPOINT_FILE = "rllib_checkpoint.json"
-
-
 def _config(spec: dict):
     from m2po_rllib.config import M2POConfig  # here, so that `m2po --help` does not import Ray
 
@@ -71,7 +70,8 @@ def _config(spec: dict):
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    return (run_dir / CHECKPOINT / _CHECKPOINT_FILE).is_file()
+    """A complete checkpoint to resume from: the run's, or the one a killed save left beside it."""
+    return checkpoints.newest(run_dir / CHECKPOINT) is not None
 
 
 def _check_run_settings(run: dict) -> None:
@@ -92,6 +92,7 @@ def new_run(config_path: str, overrides: list[str], output: str | None):
     config = _config(spec)
     config.validate()
     check_model_loads(config)
+    check_tasks(config)
     name = Path(config_path).stem
     # Absolute: RLlib's save_to_path reads a relative path as a URI without a scheme.
     run_dir = Path(output or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -112,8 +113,32 @@ def check_model_loads(config) -> None:
     resolve_model_path(config.model_config["model"])
 
 
+def check_tasks(config) -> None:
+    """The env's training split has problems, and so has its held-out split when the run
+    evaluates: refused here, before a run directory or Ray exists, not minutes into a run."""
+    from transformers import AutoTokenizer
+
+    from m2po_rllib.models.builtin import resolve_model_path
+    from m2po_rllib.rollout.env_runner import make_text_env
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model_config["model"]))
+    splits = ("train", "heldout") if config.evaluation_interval else ("train",)
+    for split in splits:
+        try:
+            n = make_text_env(config.env, config.env_config, tokenizer=tokenizer, split=split).unwrapped.num_problems
+        except ValueError as e:  # the env's own check of its env_config (as the runner reports it)
+            raise ConfigError(str(e), ("env_config",)) from e
+        if n == 0:
+            fix = (
+                "add rows, or give the held-out problems their own file (env_config heldout_path) or a larger "
+                "heldout_fraction, or turn evaluation off (evaluation.evaluation_interval: null)"
+                if split == "heldout" else "add rows, or lower env_config heldout_fraction"
+            )
+            raise ConfigError(f"the {split} split of {config.env!r} holds no problems; {fix}", ("env_config",))
+
+
 def write_meta(run_dir: Path, meta: dict) -> None:
-    (run_dir / "run.json").write_text(json.dumps(meta, indent=2, default=str))
+    durable.write_json(run_dir / "run.json", meta, indent=2, default=str)
 
 
 def resume_run(resume: str, overrides: list[str]):
@@ -128,8 +153,17 @@ def resume_run(resume: str, overrides: list[str]):
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory of `m2po train` (no run.json)")
     meta = json.loads(meta_path.read_text())
     if not has_checkpoint(run_dir):
-        again = " ".join(
-            ["m2po train", "--config", str(meta.get("config_path")), "--output", str(run_dir), *meta.get("overrides", [])]
+        # The job's loop settings as flags (the command line may have set them), and quoted
+        # for a POSIX shell: an override such as `environment.env_config={digits: 3}` must
+        # come back as one argument when the line is pasted.
+        flags = [
+            arg for key in ("stop_iters", "stop_minutes", "checkpoint_every")
+            if meta.get("run", {}).get(key) is not None
+            for arg in (f"--{key.replace('_', '-')}", str(meta["run"][key]))
+        ]
+        again = shlex.join(
+            ["m2po", "train", "--config", str(meta.get("config_path")), "--output", str(run_dir), *flags,
+             *meta.get("overrides", [])]
         )
         raise FileNotFoundError(
             f"--resume {run_dir}: the run has no checkpoint yet (it stopped before saving one), "
@@ -166,7 +200,7 @@ def resume_run(resume: str, overrides: list[str]):
 def restore(run_dir: Path, config, changes: dict):
     """The algorithm of `config` with the run's checkpoint loaded (see `resume_run`)."""
     algo = config.build_algo()
-    algo.restore_from_path(str(run_dir / CHECKPOINT))
+    algo.restore_from_path(str(run_dir / CHECKPOINT))  # the newest complete one (checkpoints.py)
     if "training.lr" in changes:
         _restart_lr(algo)
     return algo

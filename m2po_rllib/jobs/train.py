@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib import keys
+from m2po_rllib import durable, keys
 from m2po_rllib.jobs import run_dir as runs
 from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
 from m2po_rllib.jobs.history import history_record, tensorboard_scalars
@@ -150,8 +150,17 @@ def run_training(
             print("\ninterrupted before training started; nothing to save", file=sys.stderr)
             return 130
         raise
-    with _CtrlC() as ctrl_c:
-        return _train(algo, run_dir, run, ctrl_c, progress=progress, resumed=(meta, changes, overrides) if resume else None)
+    try:
+        with _CtrlC() as ctrl_c:
+            return _train(algo, run_dir, run, ctrl_c, progress=progress, resumed=(meta, changes, overrides) if resume else None)
+    except BaseException:
+        trained = algo.iteration > 0
+        with contextlib.suppress(Exception):
+            algo.stop()
+        # A new run that failed before it trained an iteration leaves nothing behind.
+        if created and not trained and not runs.has_checkpoint(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def _print_header(algo, run_dir: Path, run: dict) -> None:
@@ -186,11 +195,13 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
         return elapsed_before + time.perf_counter() - t_start
 
     def save() -> None:
-        """A checkpoint, then the record that matches it (history and summary so far)."""
-        algo.save_to_path(str(ckpt_dir))
+        """The record so far (history and summary), then the checkpoint. In this order a kill
+        between the two leaves a record ahead of the checkpoint, which a resume cuts back to
+        it; the other order would lose the rows after the previous save."""
         summary.update(_summary_fields(algo, history, seconds(), run_dir, interrupted=ctrl_c.requested))
         _write_json(history_path, history, indent=1)
         _write_json(summary_path, summary, indent=2)
+        algo.save_to_path(str(ckpt_dir))
 
     try:
         if resumed:
@@ -286,9 +297,7 @@ def _summary_fields(algo, history: list[dict], seconds: float, run_dir: Path, *,
 
 def _write_json(path: Path, value, indent: int) -> None:
     """Whole or not at all: a crash mid-write leaves the previous file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=indent))
-    os.replace(tmp, path)
+    durable.write_json(path, value, indent=indent)
 
 
 def _log_iteration(result: dict, it: int, history: list, tb, bar, last_eval, time_s: float, tb_all: bool = False):

@@ -25,6 +25,14 @@ def _question_hash(question: str) -> int:
     return int.from_bytes(hashlib.blake2b(question.encode(), digest_size=8).digest(), "big")
 
 
+def _json_place(error: json.JSONDecodeError, text: str, unit: str) -> str:
+    """Where in `text` (a line or a file) the JSON went wrong: a column, or its end (where
+    an unclosed bracket or a missing value shows, whatever whitespace follows)."""
+    if error.pos >= len(text.rstrip()):
+        return f"at the end of the {unit}"
+    return f"at column {error.colno}"
+
+
 def load_records(path: str) -> list[dict]:
     """Rows of a local .jsonl, .json (a list of objects) or .parquet file."""
     if not os.path.exists(path):
@@ -40,19 +48,25 @@ def load_records(path: str) -> list[dict]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    # Without the newline: JSON cut short at the end of a line would point past
+                    # it, at "column 1" of the next one.
+                    row = json.loads(line.rstrip())
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise ValueError(
+                        f"{path}, line {number}: not valid JSON ({e.msg} {_json_place(e, line, 'line')})"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{path}, line {number}: a row must be a JSON object, got {type(row).__name__}")
                 rows.append(row)
         return rows
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            text = f.read()
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            where = f"{path}" if e.pos >= len(text.rstrip()) else f"{path}, line {e.lineno}"
+            raise ValueError(f"{where}: not valid JSON ({e.msg} {_json_place(e, text, 'file')})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path!r} must hold a JSON list of objects, got {type(rows).__name__}")
         return rows

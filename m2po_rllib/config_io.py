@@ -68,12 +68,26 @@ def parse_override(item: str) -> tuple[str, str, Any]:
             f"override {item!r} needs a section: one of {', '.join(SECTIONS)} (e.g. training.{path}={raw})"
         )
     section, key = path.split(".", 1)
-    return section, key, parse_value(raw)
+    return section, key, parse_value(raw, f"override {item!r}")
 
 
-def parse_value(raw: str) -> Any:
-    """A command-line value as YAML reads it (`1e-5` is a number, as configs mean it)."""
-    return _numbers(yaml.safe_load(raw))
+def parse_value(raw: str, source: str | None = None) -> Any:
+    """A command-line value as YAML reads it (`1e-5` is a number, as configs mean it).
+    `source` names the argument it came from in the error a malformed value raises."""
+    try:
+        return _numbers(yaml.safe_load(raw))
+    except yaml.YAMLError as e:
+        # yaml's own message is a multi-line excerpt; the problem and its place suffice.
+        mark = getattr(e, "problem_mark", None)
+        where = ""
+        if mark is not None and mark.line == 0:
+            where = ", at the end of the value" if mark.column >= len(raw) else f", at character {mark.column + 1}"
+        what = f"{source}: its value" if source else f"value {raw!r}"
+        raise ConfigError(
+            f"{what} is not valid YAML ({getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}); "
+            f"close every bracket and quote, as in {{digits: 3}} or [1, 2], and put a string that "
+            f"holds ':', '{{' or '[' in YAML quotes, as in \"a: b\""
+        ) from None
 
 
 def apply_overrides(spec: dict, overrides: dict | list | None) -> dict:

@@ -33,8 +33,9 @@ def heldout_problems(group, wanted: int) -> int:
         )
     if (size, wanted) not in _warned:
         _warned.add((size, wanted))
-        logger.warning("the held-out split has %d problems, fewer than evaluation_duration=%d: evaluating all %d",
-                       size, wanted, size)
+        has, evaluating = ("1 problem", "it") if size == 1 else (f"{size} problems", f"all {size}")
+        logger.warning("the held-out split has %s, fewer than evaluation_duration=%d: evaluating %s",
+                       has, wanted, evaluating)
     return size
 
 

@@ -7,6 +7,8 @@ are in the libraries (explained per function), not in how this package calls the
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Callable
 
 
@@ -78,3 +80,50 @@ def quiet_rllib_new_api_stack_notice() -> None:
         "m2po:new-api-stack",
         lambda r: r.getMessage().startswith("You are running M2PO on the new API stack!"),
     )
+
+
+# vLLM's logging for the engines of this package: its own handler and format, at WARNING,
+# with `VLLMAdvisories` on the handler. A dictConfig file, because vLLM applies it itself in
+# each process of an engine (the engine core and its workers are processes of their own,
+# where a filter added in this one would not reach).
+VLLM_LOGGING_CONFIG = Path(__file__).parent / "assets" / "vllm_logging.json"
+# Where the user chose vLLM's logging; then it is left as they set it.
+VLLM_LOGGING_SETTINGS = ("log_level", "logging_config", "log_config_file")
+VLLM_LOGGING_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING")
+
+# (logger, message start) of the warnings vLLM 0.32 logs at every engine start, in each of its
+# processes, that ask nothing of this package's user:
+# - eager mode: the engines run eager on CPU by design (`VLLMEngine`'s `enforce_eager`), and on
+#   GPU only when asked; vLLM restates the setting, then that Inductor is therefore off;
+# - Triton: vLLM's CPU wheel comes without triton-cpu, so on CPU it says so and that it uses
+#   its V1 model runner, which is the one that serves CPU;
+# - LD_PRELOAD: tcmalloc / Intel OpenMP speed up CPU serving of large models; the CPU jobs
+#   here serve tiny models.
+VLLM_ADVISORIES = (
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton; using the V1 model runner"),
+    ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected on x86 CPUs."),
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD."),
+)
+
+
+class VLLMAdvisories(logging.Filter):
+    """Drops the warnings of `VLLM_ADVISORIES` (matched on the unformatted message)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not any(record.name == name and msg.startswith(start) for name, start in VLLM_ADVISORIES)
+
+
+def quiet_vllm_logging(llm_kwargs: dict, environ=os.environ) -> dict:
+    """`llm_kwargs` for `vllm.LLM` with vLLM's logging at WARNING, minus `VLLM_ADVISORIES`:
+    at INFO an engine start prints ~60 lines of configuration among the job's own. Left as
+    it is when the user chose vLLM's logging: a `log_level` / `logging_config` /
+    `log_config_file` in `llm_kwargs` (`engine_kwargs: {log_level: INFO}`), or one of
+    VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH, VLLM_CONFIGURE_LOGGING in the environment."""
+    if any(k in llm_kwargs for k in VLLM_LOGGING_SETTINGS) or any(v in environ for v in VLLM_LOGGING_ENV):
+        return llm_kwargs
+    from vllm.config.logging import LoggingConfig
+
+    return {**llm_kwargs, "logging_config": LoggingConfig(pylogging_config_file=str(VLLM_LOGGING_CONFIG))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -125,11 +126,63 @@ def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, capfd, monkey
     assert not (tmp_path / "run").exists()
 
 
+def test_an_empty_heldout_split_is_refused_before_anything_is_made(tmp_path, capfd, monkeypatch):
+    """A dataset whose held-out split is empty (here: heldout_fraction 0) is refused in one
+    line before Ray starts or a run directory exists, not after the build."""
+    data = tmp_path / "ten.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    monkeypatch.chdir(REPO)
+    code, _, err = _m2po_here(
+        capfd, "train", "--output", str(tmp_path / "run"), "environment.env=m2po/MathDataset-v0",
+        f"environment.env_config={{path: {data}, heldout_fraction: 0.0}}",
+    )
+    assert code == 2 and err.count("\n") == 1, err[-3000:]
+    assert "the heldout split of 'm2po/MathDataset-v0' holds no problems" in err and "heldout_path" in err, err
+    assert not (tmp_path / "run").exists()
+    import ray
+
+    assert not ray.is_initialized()  # refused before Ray
+
+
 def test_bad_override_is_a_clear_error(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(REPO)
     code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "r"), "lr=1e-5")
     assert code == 2
     assert "needs a section" in err and "training.lr=1e-5" in err
+
+
+def test_a_malformed_override_value_is_one_line_naming_it(tmp_path, capfd, monkeypatch):
+    """A value YAML cannot read (an unclosed brace) is a user error: one line that names the
+    override, what is wrong and where, and the fix; not yaml's 60-line traceback."""
+    monkeypatch.chdir(REPO)
+    code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "r"), "environment.env_config={digits: 3")
+    assert code == 2, err[-3000:]
+    assert err.count("\n") == 1, err[-3000:]
+    assert err.startswith(
+        "m2po train: error: override 'environment.env_config={digits: 3': its value is not valid YAML "
+        "(expected ',' or '}', but got '<stream end>', at the end of the value); close every bracket and quote"
+    ), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_restart_command_of_a_run_without_checkpoint_pastes_back(tmp_path, capfd):
+    """`--resume` of a run that stopped before its first checkpoint prints the command that
+    starts it again: shell-quoted, so that pasting it gives back every argument (a path with
+    a space, an override with braces and spaces), with the loop settings it ran with."""
+    run = tmp_path / "my run"
+    run.mkdir()
+    overrides = ["environment.env_config={digits: 3, num_operands: 2}", "training.lr=1e-5", "run.tensorboard=all"]
+    meta = {"config_path": "configs/default.yaml", "overrides": overrides, "spec": {},
+            "run": {"stop_iters": 5, "stop_minutes": None, "checkpoint_every": 10, "tensorboard": "all"}}
+    (run / "run.json").write_text(json.dumps(meta))
+    code, _, err = _m2po_here(capfd, "train", "--resume", str(run))
+    assert code == 2 and err.count("\n") == 1, err[-3000:]
+    printed = re.search(r"start it again with `(.+)`$", err.strip())
+    assert printed, err
+    assert shlex.split(printed.group(1)) == [
+        "m2po", "train", "--config", "configs/default.yaml", "--output", str(run),
+        "--stop-iters", "5", "--checkpoint-every", "10", *overrides,
+    ]
 
 
 def test_a_bug_keeps_its_traceback(capfd, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 HINT = "Install gputil for GPU system monitoring."
@@ -64,3 +65,69 @@ def test_rllibs_new_api_stack_notice_is_dropped_for_m2po_only():
     finally:
         logger.removeHandler(handler)
     assert seen == ["You are running PPO on the new API stack! This is the new default behavior for this algorithm."]
+
+
+def test_vllm_logs_warnings_only_and_not_its_advisories(monkeypatch):
+    """An engine start at vLLM's INFO prints ~60 lines among the job's own. With the logging
+    config the engines pass (applied by vLLM's own `configure_logging`, as in each of its
+    processes): INFO lines and the advisories of VLLM_ADVISORIES are dropped, other warnings
+    are printed."""
+    import io
+
+    pytest.importorskip("vllm")
+    import vllm.logger
+    from vllm.config.logging import LoggingConfig
+
+    from m2po_rllib.log_filters import VLLM_LOGGING_CONFIG
+
+    vllm_root = logging.getLogger("vllm")
+    for attr in ("handlers", "filters", "level", "propagate"):  # restored afterwards
+        monkeypatch.setattr(vllm_root, attr, getattr(vllm_root, attr))
+    monkeypatch.setattr(vllm.logger, "_last_configured_logging_config", None)
+    vllm.logger.configure_logging(LoggingConfig(pylogging_config_file=str(VLLM_LOGGING_CONFIG)))
+    out = io.StringIO()
+    (handler,) = vllm_root.handlers
+    handler.setStream(out)
+
+    logging.getLogger("vllm.config.model").info("Resolved architecture: %s", "Qwen2ForCausalLM")
+    logging.getLogger("vllm.config.vllm").warning(  # vLLM 0.32's wording (config/vllm.py)
+        "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."
+    )
+    logging.getLogger("vllm.v1.worker.cpu_worker").warning("%s is not found in LD_PRELOAD. For best", "libiomp")
+    logging.getLogger("vllm.v1.engine.core").warning("engine core died: %s", "out of memory")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("engine core died: out of memory") and " WARNING " in lines[0]
+
+
+@pytest.mark.parametrize("chosen", [None, "env", "kwarg"])
+def test_the_vllm_engine_passes_that_config_unless_the_user_chose_one(monkeypatch, chosen):
+    """`VLLMEngine` hands vLLM the quiet logging config (and no checkpoint-loading bar); a
+    user who set vLLM's logging (VLLM_LOGGING_LEVEL, or `engine_kwargs: {log_level: ...}`)
+    keeps theirs."""
+    vllm = pytest.importorskip("vllm")
+    from m2po_rllib.log_filters import VLLM_LOGGING_CONFIG, VLLM_LOGGING_ENV
+    from m2po_rllib.rollout.vllm_engine import VLLMEngine
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    for name in VLLM_LOGGING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if chosen == "env":
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    with pytest.raises(Stop):
+        VLLMEngine("some/model", **({"log_level": "INFO"} if chosen == "kwarg" else {}))
+    assert seen["use_tqdm_on_load"] is False
+    if chosen is None:
+        assert seen["logging_config"].pylogging_config_file == str(VLLM_LOGGING_CONFIG)
+    else:
+        assert "logging_config" not in seen
+        assert seen.get("log_level") == ("INFO" if chosen == "kwarg" else None)

@@ -104,12 +104,12 @@ def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any
 
 
 # What TensorBoard gets by default, named as the result names it (README "Metrics"): the
-# algorithm's keys, the learners' (learners/default_policy/...), the runners' rollout and
-# verifier keys, held-out evaluation, RLlib's timers (`run.tensorboard: all` writes every
-# number of the result).
+# algorithm's keys (native weight sync's `weights/native_*` among them), the learners'
+# (learners/default_policy/...), the runners' rollout and verifier keys, held-out
+# evaluation, RLlib's timers (`run.tensorboard: all` writes every number of the result).
 TENSORBOARD_KEYS = (keys.HELDOUT_ACCURACY, keys.POLICY_VERSION)
 TENSORBOARD_PREFIXES = (
-    "timers/", "async/", "learner/", "staleness/", "rollout/", "/".join(keys.LEARNER) + "/",
+    "timers/", "async/", "learner/", "staleness/", "rollout/", "weights/", "/".join(keys.LEARNER) + "/",
     "/".join(keys.RUNNERS) + "/rollout/", "/".join(keys.RUNNERS) + "/reward/", "/".join(keys.EVALUATION) + "/eval/",
 )
 

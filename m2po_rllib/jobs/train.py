@@ -370,7 +370,8 @@ def run_eval(
             n = num or int(config.evaluation_duration)
             size = runner.num_problems(split)
             if size is not None and size < n:
-                print(f"the {split} split has {size} problems, fewer than {n}: evaluating all {size}", file=sys.stderr)
+                has, evaluating = ("1 problem", "it") if size == 1 else (f"{size} problems", f"all {size}")
+                print(f"the {split} split has {has}, fewer than {n}: evaluating {evaluating}", file=sys.stderr)
                 n = size
             counts = runner.evaluate(indices=list(range(n)), samples=samples, seed=0, split=split)
         finally:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
+from m2po_rllib.log_filters import quiet_vllm_logging
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
 from m2po_rllib.sync.vllm_worker import WeightSyncExtension
 from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks: re-exported)
@@ -98,7 +99,9 @@ class VLLMEngine(GenerationEngine):
         - `num_threads`: CPU only: the worker's OpenMP threads, unbound (the EnvRunner passes
           its CPU allocation; vLLM's own "auto" binding would pin threads to cores that other
           processes of the job use). None keeps vLLM's binding.
-        Other keyword arguments go to `vllm.LLM` unchanged.
+        Other keyword arguments go to `vllm.LLM` unchanged. vLLM logs warnings only, less
+        the advisories of `log_filters.VLLM_ADVISORIES`, unless they set its logging
+        (`log_level="INFO"`) or the environment does (VLLM_LOGGING_LEVEL).
         """
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -131,6 +134,8 @@ class VLLMEngine(GenerationEngine):
         self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
 
+        # Warnings only (log_filters), and no checkpoint-loading bar: the job prints its own progress.
+        llm_kwargs = quiet_vllm_logging({"use_tqdm_on_load": False, **llm_kwargs})
         started = time.perf_counter()
         self.llm = LLM(
             model=model_path,

@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab repro repro-tau mismatch adaptive phase tool test test-fast bench clean
+.PHONY: setup train lab calibrate repro repro-powered repro-8token mismatch adaptive phase tool test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -23,16 +23,27 @@ train: setup
 lab: setup
 	$(VENV)/bin/m2po lab --space $(SPACE) $(ARGS)
 
-# The paper's comparison in miniature (~30 min here): M2PO vs GRPO vs no trust region at
-# staleness 256 and M2PO on-policy, 3 seeds; the report lands in runs/repro/paper-mini/report.
+# In which regime a config trains (~10 min here): M2 of 256-stale data as a multiple of tau
+# at three learning rates; the report (its "Regime" section, regime.png) in runs/calibrate/report.
+calibrate: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/calibrate.yaml --out runs/calibrate $(ARGS)
+
+# The paper's comparison in miniature, in the paper's regime (~55 min here): M2PO vs GRPO vs
+# no trust region at staleness 256 and M2PO on-policy, 3 seeds, 1024 updates, 1000 held-out
+# problems; the report, with each claim's interval and verdict, in runs/repro/paper-mini/report.
+# Interrupted? The same command continues it (finished trials are kept).
 repro: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini.yaml --out runs/repro/paper-mini $(ARGS)
 
-# M2PO at staleness 256 with tau scaled to the toy's drift (0.2), 3 seeds (~10 min), then
-# one report over both experiments in runs/repro/report.
-repro-tau: setup
-	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_tau.yaml --out runs/repro/paper-mini-tau --no-report $(ARGS)
-	$(VENV)/bin/m2po report runs/repro/paper-mini runs/repro/paper-mini-tau --out runs/repro/report
+# The same comparison with enough seeds to resolve +-2 points (tune/spaces/paper_mini_powered.yaml
+# says how long it takes; run it in pieces here, or on a cluster with `ray job submit`).
+repro-powered: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_powered.yaml --out runs/repro/paper-mini-powered $(ARGS)
+
+# The first cycle's miniature (3-digit answers of 8 tokens, lr 3e-5: outside the paper's
+# regime, M2 3-9x tau), kept for its history: docs/history/repro-8token.
+repro-8token: setup
+	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_8token.yaml --out runs/repro/paper-mini-8token $(ARGS)
 
 # Engine numerics (~17 min): M2PO at staleness 64 with the engine in fp32, in bf16, and in bf16
 # with recomputed behaviour log-probs + truncated IS, 3 seeds; report in runs/mismatch/report.

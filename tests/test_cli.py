@@ -190,7 +190,7 @@ def test_a_bug_keeps_its_traceback(capfd, monkeypatch):
     is a bug, and the CLI lets it through with its traceback."""
     import m2po_rllib.jobs.report as report
 
-    def broken(dirs, out=None):
+    def broken(dirs, out=None, **options):
         raise ValueError("an internal invariant broke")
 
     monkeypatch.setattr(report, "run_report", broken)

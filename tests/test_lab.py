@@ -55,20 +55,29 @@ def test_the_phase_map_space_is_the_cells_its_header_lists():
     assert {t.config.m2_threshold for t in space.trials} == {0.04}
 
 
-@pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_tau.yaml"])
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_powered.yaml",
+                                  "calibrate.yaml", "paper_mini_8token.yaml", "paper_mini_8token_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):
     space = load_space(REPO / "tune" / "spaces" / name)
     losses = {t.config.policy_loss for t in space.trials}
     stale = {t.config.staleness for t in space.trials}
-    variants = {(t.config.policy_loss, t.config.staleness, t.config.m2_threshold) for t in space.trials}
-    if name.startswith("paper_mini"):  # make repro / repro-tau: 3 seeds of each variant, equal updates
-        expected = (
-            {("m2po", 0, 0.04), ("m2po", 256, 0.04), ("grpo", 256, 0.04), ("grpo_no_tr", 256, 0.04)}
-            if name == "paper_mini.yaml" else {("m2po", 256, 0.2)}
-        )
-        assert variants == expected and len(space.trials) == 3 * len(expected)
-        assert {t.config.seed for t in space.trials} == {0, 1, 2} and space.stop == {"policy_version": 800}
+    arms = {(t.config.policy_loss, t.config.staleness) for t in space.trials}
+    if name in ("paper_mini.yaml", "paper_mini_powered.yaml"):
+        # the paper's four arms, the same seeds in each (paired), tau 0.04, equal updates, the
+        # stale-k ramp <= 25% of a run, >= 1000 held-out problems, a trial a CPU
+        assert arms == {("m2po", 0), ("m2po", 256), ("grpo", 256), ("grpo_no_tr", 256)}
+        seeds = {arm: sorted(t.config.seed for t in space.trials if (t.config.policy_loss, t.config.staleness) == arm)
+                 for arm in arms}
+        assert len({tuple(s) for s in seeds.values()}) == 1 and len(seeds[("m2po", 0)]) >= 3
+        assert {t.config.m2_threshold for t in space.trials} == {0.04}
+        assert list(space.stop) == ["policy_version"] and 256 <= 0.25 * space.stop["policy_version"]
+        assert {t.config.evaluation_duration for t in space.trials} == {1000}
+        assert all(t.config.env_config["heldout_size"] >= 1000 for t in space.trials)
         assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
+    elif name.startswith("paper_mini_8token"):  # the history's spaces still validate
+        assert stale and {t.config.seed for t in space.trials} == {0, 1, 2}
+    elif name == "calibrate.yaml":  # stale runs of M2PO and GRPO at more than one lr
+        assert stale == {256} and {"m2po", "grpo"} <= losses and len({t.config.lr for t in space.trials}) >= 2
     elif name == "cpu.yaml":  # fits this 2-CPU machine, one CPU a trial; every loss on- and off-policy
         assert losses == {"m2po", "grpo", "grpo_no_tr"} and stale == {0, 64}
         assert {(t.config.policy_loss, t.config.staleness) for t in space.trials} == {
@@ -243,3 +252,5 @@ def test_stop_on_the_command_line_shortens_every_trial(tmp_path, tiny_model_dir,
     assert "2 valid trials; stop at {'policy_version': 8}" in capsys.readouterr().out
     assert main(["lab", "--space", str(path), "--dry-run", "--stop", "policy_version"]) == 2
     assert "--stop 'policy_version' must look like key=value" in capsys.readouterr().err
+    assert main(["lab", "--space", str(path), "--dry-run", "--stop", "policy_version=[8"]) == 2
+    assert "--stop 'policy_version=[8': its value is not valid YAML" in capsys.readouterr().err

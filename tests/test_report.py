@@ -9,6 +9,7 @@ than the random tiny model: its held-out accuracy is not 0, so the equalities me
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -107,14 +108,18 @@ def test_report_table_equals_the_histories(train_runs, tmp_path, capsys):
     for name in FIGURES:
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    rows = json.loads((out / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    rows = report["variants"]
     assert len(rows) == 1, "two seeds of one setting are one variant"
     row = rows[0]
     assert row["seeds"] == [0, 1] and row["policy_loss"] == "m2po" and row["staleness"] == 2
 
     histories = [json.loads((r / "history.json").read_text()) for r in train_runs]
-    acc = [[h["heldout_accuracy"] for h in hist if h["heldout_accuracy"] is not None] for hist in histories]
-    final, best = [a[-1] for a in acc], [max(a) for a in acc]
+    summaries = [json.loads((r / "summary.json").read_text()) for r in train_runs]
+    # evaluation_interval 1: every iteration evaluated, after the evaluation before training
+    acc = [[s["start_heldout_accuracy"]] + [h["heldout_accuracy"] for h in hist] for hist, s in zip(histories, summaries)]
+    final, best = [statistics.fmean(a[-3:]) for a in acc], [max(a) for a in acc]
+    assert [[e["accuracy"] for e in r["evaluations"]] for r in report["runs"]] == acc
     masked = [statistics.fmean(h["masked_frac"] for h in hist if h["masked_frac"] is not None) for hist in histories]
     assert all(b > 0 for b in best), "the built-in model answers some held-out problems"
     assert row["final_mean"] == pytest.approx(statistics.fmean(final))
@@ -199,17 +204,18 @@ def test_lab_trials_hold_their_resources_and_record_collapse(lab_experiment):
 
 def test_lab_report_equals_the_trials_results(lab_experiment):
     out = lab_experiment / "report"  # written by `m2po lab`
-    rows = {r["policy_loss"]: r for r in json.loads((out / "report.json").read_text())}
+    rows = {r["policy_loss"]: r for r in json.loads((out / "report.json").read_text())["variants"]}
     assert set(rows) == {"m2po", "grpo"}
     md = (out / "report.md").read_text()
     for loss, name in (("m2po", "000_policy_loss=m2po"), ("grpo", "001_policy_loss=grpo")):
         results = _results(lab_experiment / name)
-        acc = [r["heldout_accuracy"] for r in results]
-        assert rows[loss]["final_mean"] == pytest.approx(acc[-1]) and rows[loss]["final_std"] is None
+        acc = [r["heldout_accuracy"] for r in results]  # evaluation_interval 1: each result evaluated
+        final = statistics.fmean(acc[-3:])
+        assert rows[loss]["final_mean"] == pytest.approx(final) and rows[loss]["final_std"] is None
         assert rows[loss]["best_mean"] == pytest.approx(max(acc))
         assert rows[loss]["updates"] == [results[-1]["policy_version"]] * 2
         label = "m2po, stale 2, tau 0.04, lr 0.0001" if loss == "m2po" else "grpo, stale 2, lr 0.0001"
-        assert _row(md, label)[2] == f"{acc[-1]:.3f}"
+        assert _row(md, label)[2] == f"{final:.3f}"
     clipped = [r["learners"]["default_policy"]["grpo/clipped_frac"] for r in _results(lab_experiment / "001_policy_loss=grpo")
                if "learners" in r]
     assert rows["grpo"]["token_kind"] == "clipped" and rows["grpo"]["token_frac_mean"] == pytest.approx(statistics.fmean(clipped))
@@ -297,16 +303,18 @@ def test_phase_map_cells_shared_on_policy_runs_and_collapses(tmp_path):
     from m2po_rllib.jobs.report_plots import _phase_map
     from m2po_rllib.jobs.runs import Run, group_variants, phase_map, phase_markdown
 
-    def run(loss, staleness, lr, seed, accs, note=""):
+    def run(loss, staleness, lr, seed, accs, collapse=None):
         history = [{"iteration": i + 1, "policy_version": 10 * (i + 1), "heldout_accuracy": a} for i, a in enumerate(accs)]
         settings = {"policy_loss": loss, "staleness": staleness, "m2_threshold": 0.04, "lr": lr, "seed": seed}
-        return Run(tmp_path / f"{loss}-{staleness}-{lr}-{seed}", settings, history, note)
+        # last_k 1: a run's final value is its last evaluation, to keep this test's numbers plain
+        return Run(tmp_path / f"{loss}-{staleness}-{lr}-{seed}", settings, history,
+                   collapse={"reason": collapse} if collapse else None, last_k=1)
 
     runs = [
         run("m2po", 0, 1e-5, 0, [0.2, 0.4]), run("m2po", 0, 1e-5, 1, [0.2, 0.5]),
-        run("m2po", 0, 3e-5, 0, [0.2, 0.6, 0.1], "collapsed: held-out accuracy 0.100 fell below"),
+        run("m2po", 0, 3e-5, 0, [0.2, 0.6, 0.1], "held-out accuracy 0.100 fell below"),
         run("m2po", 256, 1e-5, 0, [0.2, 0.3]), run("m2po", 256, 3e-5, 0, [0.2, 0.35]),
-        run("grpo_no_tr", 256, 1e-5, 0, [0.2, 0.5, 0.05], "collapsed: held-out accuracy 0.050 fell below"),
+        run("grpo_no_tr", 256, 1e-5, 0, [0.2, 0.5, 0.05], "held-out accuracy 0.050 fell below"),
         run("grpo_no_tr", 256, 1e-5, 1, [0.2, 0.45]),
     ]
     pm = phase_map(group_variants(runs))
@@ -326,3 +334,168 @@ def test_phase_map_cells_shared_on_policy_runs_and_collapses(tmp_path):
     path = _phase_map(group_variants(runs), tmp_path)
     assert path.name == "phase_map.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert phase_map(group_variants([r for r in runs if r.settings["lr"] == 1e-5])) is None
+
+
+# -- a synthetic experiment whose answers are known: the final value, the claims, collapse ----
+def _trial(exp: Path, name: str, params: dict, results: list[dict], collapse: dict | None = None) -> Path:
+    d = exp / name
+    d.mkdir(parents=True)
+    (d / "params.json").write_text(json.dumps(params))
+    (d / "result.json").write_text("".join(json.dumps(r) + "\n" for r in results))
+    if collapse:
+        (d / "collapse.json").write_text(json.dumps(collapse))
+    return d
+
+
+def _curve(loss: str, staleness: int, seed: int, iterations: int = 200, interval: int = 10) -> list[dict]:
+    """Tune results of one synthetic trial: 4 updates per iteration, held-out accuracy evaluated
+    every `interval` iterations and carried between (0.2 before training), M2PO's masked fraction
+    ~6e-5 and GRPO's clipped ~1.2e-2 once the data is `staleness` old, 0 before; no trust region
+    prospers (0.55 by update 240) and then collapses (0.1 at the end)."""
+    import random
+    import zlib
+
+    rng = random.Random(zlib.crc32(f"{loss}-{staleness}-{seed}".encode()))
+    plateau = {"m2po": 0.515, "grpo": 0.45, "grpo_no_tr": 0.55}[loss]
+    acc, out = 0.2, []
+    for it in range(1, iterations + 1):
+        version, before = 4 * it, 4 * (it - 1)
+        if it % interval == 0:
+            if loss == "grpo_no_tr" and version > 240:
+                mean = 0.55 - 0.45 * (version - 240) / (4 * iterations - 240)
+            else:
+                mean = 0.2 + (plateau - 0.2) * min(1.0, version / 240)
+            acc = mean + rng.gauss(0, 0.004)
+        learner = {}
+        old = before >= staleness
+        if loss == "m2po":
+            learner["m2po/masked_frac"] = 6e-5 * rng.lognormvariate(0, 0.1) if old and staleness else 0.0
+        elif loss == "grpo":
+            learner["grpo/clipped_frac"] = 1.2e-2 * rng.lognormvariate(0, 0.1) if old else 1e-3
+        out.append({"training_iteration": it, "time_total_s": 2.0 * it, "heldout_accuracy": acc, "policy_version": version,
+                    "learners": {"default_policy": learner}})
+    return out
+
+
+@pytest.fixture(scope="module")
+def synthetic_experiment(tmp_path_factory) -> Path:
+    exp = tmp_path_factory.mktemp("synthetic") / "exp"
+    exp.mkdir()
+    (exp / "lab.json").write_text(json.dumps({"space": "gone.yaml", "stop": {"policy_version": 800},
+                                              "collapse": {"accuracy_drop": 0.5, "grace": 20, "stop": False}}))
+    arms = [("m2po", 0), ("m2po", 256), ("grpo", 256), ("grpo_no_tr", 256)]
+    for i, ((loss, staleness), seed) in enumerate((arm, seed) for arm in arms for seed in (0, 1, 2)):
+        params = {"policy_loss": loss, "staleness": staleness, "m2_threshold": 0.04, "lr": 3e-5, "seed": seed,
+                  "evaluation_interval": 10, "async_rollouts": False}
+        results = _curve(loss, staleness, seed)
+        recorded = None
+        if loss == "grpo_no_tr" and seed == 0:  # one recorded by the lab, the others found by the report
+            it = next(r["training_iteration"] for r in results[60:] if r["heldout_accuracy"] < 0.5 * 0.55)
+            recorded = {"criterion": "heldout_accuracy", "reason": "held-out accuracy fell (recorded)",
+                        "training_iteration": it}
+        _trial(exp, f"{i:03d}_{loss}_{staleness}_{seed}", params, results, recorded)
+    return exp
+
+
+def test_synthetic_report_final_value_evaluations_claims_and_collapse(synthetic_experiment, tmp_path, capsys):
+    out = tmp_path / "report"
+    code, _, err = _report(capsys, str(synthetic_experiment), "--out", str(out), "--last-k", "3")
+    assert code == 0, err[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["definitions"]["last_k"] == 3 and report["definitions"]["margin"] == 0.02
+
+    # every evaluation kept (20 per run: iterations 10, 20, ..., 200, plus the one before training)
+    run = next(r for r in report["runs"] if r["path"].endswith("001_m2po_0_1"))
+    results = _results(synthetic_experiment / "001_m2po_0_1")
+    evals = run["evaluations"]
+    assert evals[0] == {"iteration": 0, "update": 0, "accuracy": 0.2}
+    assert [e["iteration"] for e in evals[1:]] == list(range(10, 201, 10))
+    assert [e["update"] for e in evals[1:]] == [4 * i for i in range(10, 201, 10)]
+    assert [e["accuracy"] for e in evals[1:]] == [r["heldout_accuracy"] for r in results[9::10]]
+    # one final value: the mean of the last 3 evaluations, in the run, the row and the table
+    assert run["final"] == pytest.approx(statistics.fmean(r["heldout_accuracy"] for r in results[179::10]))
+    rows = {(r["policy_loss"], r["staleness"]): r for r in report["variants"]}
+    finals = [r["final"] for r in report["runs"] if r["variant"] == rows[("m2po", 0)]["variant"]]
+    assert rows[("m2po", 0)]["final_mean"] == pytest.approx(statistics.fmean(finals))
+    assert rows[("m2po", 0)]["final_evaluations"] == [3, 3, 3]
+    md = (out / "report.md").read_text()
+    assert "mean of its last 3 held-out evaluations" in md and "| final held-out (last 3) |" in md
+    assert _row(md, "m2po, stale 0, tau 0.04, lr 3e-05")[2] == f"{statistics.fmean(finals):.3f} ± {statistics.stdev(finals):.3f}"
+
+    # collapse: recorded for seed 0, found in the history by the report for seeds 1 and 2
+    no_tr = [r for r in report["runs"] if "grpo_no_tr" in r["path"]]
+    assert [r["collapse"]["source"] for r in no_tr] == ["recorded", "report", "report"]
+    assert rows[("grpo_no_tr", 256)]["collapsed"] == 3
+    assert all(r["collapse"] is None for r in report["runs"] if "grpo_no_tr" not in r["path"])
+    assert "collapsed: held-out accuracy" in md and "(found by the report in its history)" in md
+
+    # the claims, with the answers the synthetic curves were built to give
+    claims = {(c["id"], c["arms"][1]): c for c in report["claims"]}
+    verdict = {k: c["comparison"]["verdict"] for k, c in claims.items()}
+    assert verdict[("a", "m2po, stale 0, tau 0.04")] == "equivalent within ±0.02"
+    assert verdict[("b", "m2po, stale 0, tau 0.04")] == "holds"  # no GRPO on-policy: M2PO's stands in
+    assert verdict[("c", "grpo, stale 256")] == "holds"
+    assert verdict[("d", "grpo, stale 256")] == "holds"
+    assert claims[("d", "grpo, stale 256")]["comparison"]["test"] == "paired t"
+    assert math.exp(claims[("d", "grpo, stale 256")]["comparison"]["diff"]) == pytest.approx(6e-5 / 1.2e-2, rel=0.2)
+    assert verdict[("e", "m2po, stale 256, tau 0.04")] == "holds"  # prosperity: not below M2PO early on
+    assert verdict[("e", "grpo_no_tr, stale 256 early")] == "holds"  # then collapse
+    assert "## Claims" in md and "(a) M2PO at stale 256 matches on-policy" in md
+    for c in report["claims"]:
+        assert f"({c['id']}) {c['text']}" in md
+
+
+def test_report_omits_claims_without_their_variants(synthetic_experiment, tmp_path, capsys):
+    """Only M2PO runs: (a) alone; a single run: no claims section; --last-k 0 is refused."""
+    code, _, err = _report(capsys, *map(str, sorted(synthetic_experiment.glob("*_m2po_*"))), "--out", str(tmp_path / "m"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    assert [c["id"] for c in report["claims"]] == ["a"]
+    code, _, err = _report(capsys, str(synthetic_experiment / "000_m2po_0_0"), "--out", str(tmp_path / "one"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "one" / "report.json").read_text())["claims"] == []
+    assert "## Claims" not in (tmp_path / "one" / "report.md").read_text()
+    assert _report(capsys, str(synthetic_experiment), "--out", str(tmp_path / "x"), "--last-k", "0")[0] == 2
+
+
+# -- the collapse rule at a run's last result ---------------------------------------------------
+def test_a_fall_at_the_last_result_is_recorded_by_the_lab(tmp_path):
+    """Tune's `CombinedStopper(reached, collapse)` stops asking at `reached`'s yes, so the
+    collapse stopper never sees the result that ends the trial; the recorder puts it to it,
+    writes the reason into that result and collapse.json."""
+    from types import SimpleNamespace
+
+    from ray.tune.stopper import CombinedStopper, FunctionStopper
+
+    from m2po_rllib.jobs.collapse import COLLAPSE_FILE, CollapseStopper
+
+    collapse = CollapseStopper.from_spec({"accuracy_drop": 0.5, "grace": 1, "time_attr": "policy_version"})
+    recorder = collapse.recorder()
+    stopper = CombinedStopper(FunctionStopper(lambda trial_id, r: r["policy_version"] >= 12), collapse)
+    trial = SimpleNamespace(trial_id="t", local_path=str(tmp_path / "t"))
+    results = [{"training_iteration": i, "policy_version": 4 * i, "heldout_accuracy": a}
+               for i, a in enumerate([0.3, 0.4, 0.1], 1)]  # the fall is at the last result
+    decisions = []
+    for result in results:  # the order of tune_controller._process_trial_result: stopper, then callbacks
+        decisions.append(stopper("t", result))
+        recorder.on_trial_result(iteration=0, trials=[trial], trial=trial, result=result)
+    assert decisions == [False, False, True]
+    assert results[-1]["collapse_reason"] == "held-out accuracy 0.100 fell below 0.5 x its best 0.400"
+    saved = json.loads((tmp_path / "t" / COLLAPSE_FILE).read_text())
+    assert saved["training_iteration"] == 3 and saved["policy_version"] == 12
+    assert "collapse_reason" not in results[1]
+
+
+def test_the_report_applies_the_collapse_rule_to_the_history():
+    from m2po_rllib.jobs.collapse import history_collapse
+
+    def history(accs, **fields):
+        return [{"iteration": i, "policy_version": 4 * i, "heldout_accuracy": a, **fields} for i, a in enumerate(accs, 1)]
+
+    found = history_collapse(history([0.3, 0.4, 0.35, 0.1]), {"accuracy_drop": 0.5, "grace": 1})
+    assert found["training_iteration"] == 4 and found["policy_version"] == 16 and found["best"] == 0.4
+    assert found["reason"] == "held-out accuracy 0.100 fell below 0.5 x its best 0.400"
+    assert history_collapse(history([0.3, 0.4, 0.35, 0.25]), {"accuracy_drop": 0.5, "grace": 1}) is None
+    assert history_collapse(history([0.3, 0.1]), {"grace": 10}) is None, "inside the grace period"
+    limit = history_collapse(history([0.3, 0.3, 0.3], clipped_frac=0.5), {"grace": 0, "limits": {"clipped_frac": {"max": 0.3}}})
+    assert limit["criterion"] == "clipped_frac" and limit["training_iteration"] == 1

@@ -6,7 +6,7 @@
     m2po export --checkpoint DIR --out HF_DIR
     m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80]
     m2po lab    [--space tune/spaces/cpu.yaml] [--out DIR] [--max-concurrent N] [--dry-run]
-    m2po report DIR [DIR ...] [--out OUT]
+    m2po report DIR [DIR ...] [--out OUT] [--last-k K] [--margin M]
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="table and plots over run directories or a Tune experiment")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="`m2po train` run dirs or a `m2po lab` experiment")
     p.add_argument("--out", default=None, help="output directory (default: the first DIR/report)")
+    from m2po_rllib.jobs.claims import MARGIN
+    from m2po_rllib.jobs.runs import LAST_K
+
+    p.add_argument("--last-k", type=int, default=LAST_K, metavar="K",
+                   help=f"a run's final value: the mean of its last K held-out evaluations (default {LAST_K})")
+    p.add_argument("--margin", type=float, default=MARGIN,
+                   help=f"the claims' equivalence margin in accuracy (default {MARGIN:g})")
     p.set_defaults(func=_cmd_report)
     return parser
 
@@ -141,7 +148,7 @@ def _cmd_lab(args) -> int:
 def _cmd_report(args) -> int:
     from m2po_rllib.jobs.report import run_report
 
-    return run_report(args.dirs, out=args.out)
+    return run_report(args.dirs, out=args.out, last_k=args.last_k, margin=args.margin)
 
 
 def main(argv: list[str] | None = None) -> int:

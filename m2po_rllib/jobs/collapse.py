@@ -8,6 +8,12 @@ curve, the collapse and after, stays in the experiment). A Stopper only answers 
 it (before its loggers write result.json), and "user callbacks may modify the trial result
 in place", so the recorder adds `collapse_reason` there.
 
+A fall at a trial's last result is a collapse too. Under `CombinedStopper(reached, stopper)`
+Tune asks `reached` first, and `any()` stops asking at its yes: the stopper never sees the
+result that ends the trial. The recorder, which sees every result, hands it such a result.
+`history_collapse` applies the same rule to a run's history records (`m2po report` does, to
+every run, so its count does not depend on the stopper having seen the result).
+
     stopper = CollapseStopper(accuracy_drop=0.5, grace=20, limits={"m2_before": {"max": 1.0}})
     tune.RunConfig(stop=stopper, callbacks=[stopper.recorder()])
 """
@@ -25,6 +31,7 @@ from ray.rllib.utils.annotations import override
 from m2po_rllib import keys
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.history import CLIPPED_FRAC, ENTROPY_CLIPPED, FIELDS, first, heldout_accuracy, lookup
+from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 COLLAPSE_REASON = "collapse_reason"
 COLLAPSE_FILE = "collapse.json"
@@ -87,6 +94,7 @@ class CollapseStopper(Stopper):
         self._best: dict[str, float] = {}
         self._seen: dict[str, int] = {}
         self._strikes: dict[tuple[str, str], int] = {}
+        self._asked: dict[str, Any] = {}  # trial -> training_iteration of the last result it was asked about
 
     @classmethod
     def from_spec(cls, spec: dict | None) -> "CollapseStopper":
@@ -101,13 +109,12 @@ class CollapseStopper(Stopper):
 
     @override(Stopper)
     def __call__(self, trial_id: str, result: dict) -> bool:
+        self._asked[trial_id] = result.get("training_iteration")
         if trial_id in self.reasons:
             return self.stop
-        n = self._seen[trial_id] = self._seen.get(trial_id, 0) + 1
-        acc = heldout_accuracy(result)
-        if acc is not None:
-            self._best[trial_id] = max(acc, self._best.get(trial_id, acc))
-        reason = self._check(trial_id, result, acc) if n > self.grace else None
+        section, module = keys.LEARNER
+        loss = ((result.get(section) or {}).get(module) or {}).get(keys.LOSS)  # NaN kept: lookup drops it
+        reason = self.observe(trial_id, heldout_accuracy(result), lambda name: _read(result, name), loss)
         if reason is None:
             return False
         reason.update(trial_id=trial_id, training_iteration=result.get("training_iteration"))
@@ -115,9 +122,19 @@ class CollapseStopper(Stopper):
         self.reasons[trial_id] = reason
         return self.stop
 
-    def _check(self, trial_id: str, result: dict, acc: float | None) -> dict | None:
-        section, module = keys.LEARNER
-        loss = ((result.get(section) or {}).get(module) or {}).get(keys.LOSS)  # NaN kept: lookup drops it
+    def asked(self, trial_id: str, result: dict) -> bool:
+        """Whether this result (its training_iteration) was put to the stopper."""
+        return trial_id in self._asked and self._asked[trial_id] == result.get("training_iteration")
+
+    def observe(self, trial_id: str, acc: float | None, read, loss=None) -> dict | None:
+        """One result of the trial: its held-out accuracy, `read(name)` for the watched
+        metrics, the policy loss; the reason when the rule finds a collapse, else None."""
+        n = self._seen[trial_id] = self._seen.get(trial_id, 0) + 1
+        if acc is not None:
+            self._best[trial_id] = max(acc, self._best.get(trial_id, acc))
+        return self._check(trial_id, read, acc, loss) if n > self.grace else None
+
+    def _check(self, trial_id: str, read, acc: float | None, loss) -> dict | None:
         if isinstance(loss, float) and not math.isfinite(loss):
             return {"criterion": "loss", "value": str(loss), "reason": f"the policy loss is {loss}"}
         best = self._best.get(trial_id)
@@ -129,7 +146,7 @@ class CollapseStopper(Stopper):
                     "reason": f"held-out accuracy {acc:.3f} fell below {1 - self.accuracy_drop:g} x its best {best:.3f}",
                 }
         for name, bounds in self.limits.items():
-            value = _read(result, name)
+            value = read(name)
             broken = value is not None and (
                 ("max" in bounds and value > bounds["max"]) or ("min" in bounds and value < bounds["min"])
             )
@@ -160,6 +177,8 @@ class CollapseRecorder(Callback):
 
     @override(Callback)
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if not self.stopper.asked(trial.trial_id, result):
+            self.stopper(trial.trial_id, result)  # another stopper ended the trial on this result first
         reason = self.stopper.reasons.get(trial.trial_id)
         if reason is None or trial.trial_id in self._written:
             return
@@ -169,3 +188,16 @@ class CollapseRecorder(Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(reason, indent=2, default=float))
         self._written.add(trial.trial_id)
+
+
+def history_collapse(history: list[dict], spec: dict | None = None) -> dict | None:
+    """The first collapse that `CollapseStopper.from_spec(spec)` finds in a run's history
+    records (`m2po_rllib.jobs.history.history_record`), put to it one by one as the trial's
+    results were: the reason with its training_iteration and policy_version, or None. The
+    history has no NaN loss (the record keeps None), so only that criterion is not replayed."""
+    stopper = CollapseStopper.from_spec({**(spec or {}), "stop": True})
+    for record in history:
+        reason = stopper.observe("run", record.get(HELDOUT_ACCURACY), record.get)
+        if reason is not None:
+            return {**reason, "training_iteration": record.get("iteration"), POLICY_VERSION: record.get(POLICY_VERSION)}
+    return None

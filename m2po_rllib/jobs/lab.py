@@ -39,6 +39,7 @@ from m2po_rllib.errors import ConfigError
 SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent"}
 SCHEDULERS = ("fifo", "asha")
 LAB_FILE = "lab.json"  # the expanded space, written into the experiment directory
+TRIAL_CHECKPOINT_EVERY = 25  # iterations between a trial's checkpoints (what a continued lab redoes at most)
 
 
 @dataclass
@@ -139,7 +140,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, stop_overri
             key, sep, value = item.partition("=")
             if not sep or not key:
                 _fail(path, f"--stop {item!r} must look like key=value, e.g. --stop policy_version=40")
-            stop[key] = parse_value(value)
+            stop[key] = parse_value(value, f"--stop {item!r}")
     if not stop:
         _fail(path, "`stop` is missing, e.g. stop: {policy_version: 200} (optimizer updates) or {training_iteration: 50}")
     for key, value in stop.items():
@@ -268,11 +269,14 @@ def run_lab(
         f"{concurrent} at a time on {cluster.get('CPU', 0):g} CPUs, {cluster.get('GPU', 0):g} GPUs\n"
         f"  experiment: {out_dir}"
     )
+    if tune.Tuner.can_restore(str(out_dir)):
+        return _continue_lab(out_dir, space, report=report)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / LAB_FILE).write_text(json.dumps({
         "space": str(space.path.resolve()),
         "overrides": list(overrides or []),
         "stop": space.stop,
+        "collapse": space.collapse,
         "trials": [{"swept": t.swept, "label": t.label, "resources": n} for t, n in zip(space.trials, need)],
     }, indent=1, default=str))
 
@@ -305,9 +309,36 @@ def run_lab(
             callbacks=[collapse.recorder()],
             progress_reporter=reporter,
             verbose=verbose,
+            # a trial's checkpoint (weights, optimizer, the stale queue) every TRIAL_CHECKPOINT_EVERY
+            # iterations: an interrupted lab continues each unfinished trial from its last one
+            checkpoint_config=tune.CheckpointConfig(
+                checkpoint_frequency=TRIAL_CHECKPOINT_EVERY, num_to_keep=1, checkpoint_at_end=False
+            ),
         ),
     )
-    grid = tuner.fit()
+    return _finish(tuner.fit(), out_dir, report=report)
+
+
+def _continue_lab(out_dir: Path, space: LabSpace, *, report: bool) -> int:
+    """`m2po lab --out DIR` on an experiment that stopped (Ctrl-C, a lost machine): Tune's
+    restore keeps the finished trials, continues the unfinished ones from their last
+    checkpoint and starts those that never ran. The space must be the one it began with."""
+    from ray import tune
+
+    recorded = json.loads((out_dir / LAB_FILE).read_text()) if (out_dir / LAB_FILE).is_file() else {}
+    labels = [t["label"] for t in recorded.get("trials", [])]
+    if labels and labels != [t.label for t in space.trials]:
+        raise ConfigError(
+            f"--out {out_dir} holds an experiment of other trials ({len(labels)}: {', '.join(labels[:3])}, ...) "
+            f"than {space.path} gives ({len(space.trials)}); continue it with the space it began with "
+            f"({recorded.get('space')}), or choose another --out"
+        )
+    print(f"continuing the experiment in {out_dir} (finished trials are kept)")
+    tuner = tune.Tuner.restore(str(out_dir), "M2PO", resume_unfinished=True, resume_errored=True)
+    return _finish(tuner.fit(), out_dir, report=report)
+
+
+def _finish(grid, out_dir: Path, *, report: bool) -> int:
     for r in grid:
         reason = (r.metrics or {}).get("collapse_reason")
         if reason:

@@ -4,7 +4,8 @@ one colour per variant, mean over seeds with a +-1 std band, optimizer updates o
 - heldout_accuracy.png: held-out accuracy vs optimizer updates
 - reward.png: training reward (the current weights' sampled completions) vs optimizer
   updates, at every training step (denser than the held-out evaluations)
-- final_vs_staleness.png: final held-out accuracy vs staleness, one line per loss (and tau, lr)
+- final_vs_staleness.png: final held-out accuracy (a run's mean of its last k evaluations)
+  vs staleness, one line per loss (and tau, lr)
 - token_fraction.png: M2PO's masked vs the clip losses' clipped token fraction
 - entropy.png: entropy of masked / clipped tokens (dashed) vs all tokens (solid)
 - m2.png: M2 (mean squared log-ratio) before (solid) and after (dashed) M2PO's mask
@@ -146,14 +147,20 @@ def _final_vs_staleness(variants: list[Variant], out: Path):
             x, m, s = zip(*points)
             ax.errorbar(x, m, yerr=s, marker="o", capsize=3, color=colors[family], label=_label(members[0], variants))
     ax.set_xlabel("staleness (optimizer updates)")
-    ax.set_ylabel("final held-out accuracy")
-    ax.set_title("final held-out accuracy vs staleness\n(mean ± std over seeds)", fontsize=10)
+    ax.set_ylabel(f"final held-out accuracy (last {_last_k(variants)})")
+    ax.set_title(f"final held-out accuracy vs staleness\n(mean of each run's last {_last_k(variants)} evaluations; "
+                 "mean ± std over seeds)", fontsize=10)
     ax.grid(alpha=0.3)
     fig.legend(loc="outside right center", fontsize=7)
     path = out / "final_vs_staleness.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _last_k(variants: list[Variant]) -> int:
+    """The evaluations a run's final value averages (one k per report)."""
+    return next((r.last_k for v in variants for r in v.runs), 1)
 
 
 def _async_bound(variants: list[Variant], out: Path):
@@ -230,7 +237,7 @@ def _phase_map(variants: list[Variant], out: Path):
         ax.set_xlabel("learning rate")
         ax.set_title(name, fontsize=10)
     axes[0][0].set_ylabel("staleness (optimizer updates)")
-    fig.colorbar(image, ax=list(axes[0]), label="final held-out accuracy", shrink=0.9)
+    fig.colorbar(image, ax=list(axes[0]), label=f"final held-out accuracy (last {_last_k(variants)})", shrink=0.9)
     fig.suptitle("final held-out accuracy by staleness x learning rate (mean over seeds; red: runs that collapsed)",
                  fontsize=10)
     path = out / "phase_map.png"

@@ -1,7 +1,13 @@
 """The runs `m2po report` reads: `m2po train` run directories and Tune trials (`m2po lab`),
 found up to three levels below each directory given, as the same history records
 (`m2po_rllib.jobs.history.history_record`), grouped into variants (loss, staleness, tau,
-lr, numerics) with seeds pooled."""
+lr, numerics) with seeds pooled.
+
+A run's held-out evaluations are the iterations that evaluated (multiples of
+`evaluation_interval`: the history carries the last value into the iterations between),
+plus the evaluation before training and `m2po train`'s evaluation after its last iteration
+where there is one. Its final value, the one every part of the report uses, is the mean
+of its last `last_k` evaluations (`m2po_rllib.jobs.stats.headline`)."""
 
 from __future__ import annotations
 
@@ -10,15 +16,17 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.history import history_record
+from m2po_rllib.jobs.stats import headline
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.rollout.staleness import AUTO
 
 SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed",
-            "engine_kwargs", "recompute_behavior_logp", "rollout_correction")
+            "engine_kwargs", "recompute_behavior_logp", "rollout_correction", "evaluation_interval")
+LAST_K = 3  # the last held-out evaluations averaged into a run's final value (`m2po report --last-k`)
 _SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
@@ -32,12 +40,23 @@ def numerics_label(settings: dict[str, Any]) -> str | None:
     return ", ".join(p for p in parts if p) or None
 
 
+class Evaluation(NamedTuple):
+    iteration: int  # the training iteration it followed (0: before training)
+    update: int | None  # optimizer updates of the evaluated weights
+    accuracy: float
+
+
 @dataclass
 class Run:
     path: Path
     settings: dict[str, Any]
     history: list[dict[str, Any]]
-    note: str = ""  # why it ended early (collapse, scheduler, interrupt)
+    note: str = ""  # why it ended early, other than a collapse (interrupted, failed)
+    collapse: dict[str, Any] | None = None  # its first collapse: reason, training_iteration, source
+    start: Evaluation | None = None  # summary.json's evaluation before training (`m2po train`)
+    end: Evaluation | None = None  # summary.json's evaluation after the last iteration
+    last_k: int = LAST_K
+    collapse_rule: dict[str, Any] | None = None  # the CollapseStopper settings the report applied
 
     def values(self, name: str) -> list[float]:
         return [h[name] for h in self.history if h.get(name) is not None]
@@ -56,14 +75,46 @@ class Run:
                 f"queue (staleness {self.settings.get('staleness')} updates); train it for more iterations")
 
     @property
+    def evaluations(self) -> list[Evaluation]:
+        """Every held-out evaluation, in order (module docstring). Without a known
+        `evaluation_interval` (runs built by hand), every record with a value is one."""
+        interval = self.settings.get("evaluation_interval")
+        out = [self.start] if self.start else []
+        first = self.history[0] if self.history else {}
+        carried = first.get(HELDOUT_ACCURACY) if first.get("iteration") == 1 else None
+        if not out and interval and interval > 1 and carried is not None:
+            # M2PO evaluates before its first step; iterations before the first multiple carry it
+            out.append(Evaluation(0, 0, carried))
+        out += [Evaluation(h["iteration"], h.get(POLICY_VERSION), h[HELDOUT_ACCURACY]) for h in self.history
+                if h.get(HELDOUT_ACCURACY) is not None and not (interval and h["iteration"] % interval)]
+        if self.end and (not out or (self.end.update or 0) > (out[-1].update or 0)):
+            out.append(self.end)  # not at the weights of the last evaluated iteration: one more evaluation
+        return out
+
+    @property
     def final(self) -> float | None:
-        acc = self.values(HELDOUT_ACCURACY)
-        return acc[-1] if acc else None
+        """The mean of the last `last_k` held-out evaluations."""
+        return headline([e.accuracy for e in self.evaluations], self.last_k)
 
     @property
     def best(self) -> float | None:
-        acc = self.values(HELDOUT_ACCURACY)
-        return max(acc) if acc else None
+        """The best single evaluation (secondary: the max favours noisy runs)."""
+        return max((e.accuracy for e in self.evaluations), default=None)
+
+    @property
+    def collapsed(self) -> bool:
+        return self.collapse is not None
+
+    def describe(self) -> str | None:
+        """Its collapse and why it ended early, for the report's notes, or None."""
+        parts = []
+        if self.collapse:
+            c = self.collapse
+            found = " (found by the report in its history)" if c.get("source") == "report" else ""
+            parts.append(f"collapsed: {c['reason']} at iteration {c.get('training_iteration')}{found}")
+        if self.note:
+            parts.append(self.note)
+        return f"{self.path.name}: {'; '.join(parts)}" if parts else None
 
 
 @dataclass
@@ -103,7 +154,7 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 
 # -- reading runs --------------------------------------------------------------------------
-def _train_run(path: Path) -> Run:
+def _train_run(path: Path, last_k: int) -> Run:
     from m2po_rllib.config import M2POConfig
 
     meta = json.loads((path / "run.json").read_text())
@@ -111,7 +162,14 @@ def _train_run(path: Path) -> Run:
     settings = {k: getattr(cfg, k, None) for k in SETTINGS}
     history = json.loads((path / "history.json").read_text())
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
-    return Run(path, settings, history, "interrupted" if summary.get("interrupted") else "")
+    start = end = None
+    if summary.get("start_heldout_accuracy") is not None:
+        start = Evaluation(0, 0, summary["start_heldout_accuracy"])
+    if summary.get("end_heldout_accuracy") is not None:
+        end = Evaluation(summary.get("iterations") or 0, summary.get(POLICY_VERSION), summary["end_heldout_accuracy"])
+    run = Run(path, settings, history, "interrupted" if summary.get("interrupted") else "", start=start, end=end,
+              last_k=last_k)
+    return _with_collapse_rule(run, {})
 
 
 def _trial_results(path: Path) -> list[dict]:
@@ -122,7 +180,7 @@ def _trial_results(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _tune_trial(path: Path) -> Run:
+def _tune_trial(path: Path, last_k: int) -> Run:
     from m2po_rllib.jobs.collapse import COLLAPSE_FILE, COLLAPSE_REASON
 
     params = json.loads((path / "params.json").read_text())
@@ -133,12 +191,55 @@ def _tune_trial(path: Path) -> Run:
         for r in results
         if r.get("training_iteration") not in (None, "")
     ]
-    note = next((r[COLLAPSE_REASON] for r in results if r.get(COLLAPSE_REASON)), "")
-    if not note and (path / COLLAPSE_FILE).exists():
-        note = json.loads((path / COLLAPSE_FILE).read_text()).get("reason", "")
-    if (path / "error.txt").exists():
-        note = (note + "; " if note else "") + "failed (error.txt)"
-    return Run(path, settings, history, f"collapsed: {note}" if note and "failed" not in note else note)
+    collapse = None
+    if (path / COLLAPSE_FILE).exists():
+        collapse = {**json.loads((path / COLLAPSE_FILE).read_text()), "source": "recorded"}
+    elif recorded := next((r for r in results if r.get(COLLAPSE_REASON)), None):
+        collapse = {"reason": recorded[COLLAPSE_REASON], "training_iteration": recorded.get("training_iteration"),
+                    "source": "recorded"}
+    note = "failed (error.txt)" if (path / "error.txt").exists() else ""
+    run = Run(path, settings, history, note, collapse=collapse, last_k=last_k)
+    return _with_collapse_rule(run, lab_collapse_rule(path.parent))
+
+
+def lab_collapse_rule(experiment: Path) -> dict[str, Any]:
+    """The `collapse:` settings (`CollapseStopper.from_spec`) of the lab that ran the trials
+    in `experiment`: lab.json's, else those of the space file it names, else {} (the
+    stopper's defaults)."""
+    lab = experiment / "lab.json"
+    if not lab.exists():
+        return {}
+    meta = json.loads(lab.read_text())
+    if "collapse" in meta:
+        return dict(meta["collapse"] or {})
+    space = Path(meta.get("space") or "")
+    if space.is_file():
+        import yaml
+
+        return dict((yaml.safe_load(space.read_text()) or {}).get("collapse") or {})
+    return {}
+
+
+def _with_collapse_rule(run: Run, rule: dict[str, Any]) -> Run:
+    """The collapse rule applied to the run's history too (`collapse.history_collapse`): a
+    fall at a trial's last result, which the stopper may never have been asked about, or a
+    `m2po train` run (no stopper), counts as a collapse. A recorded collapse is kept."""
+    from m2po_rllib.jobs.collapse import history_collapse
+
+    records = run.history
+    evaluations = run.evaluations
+    if run.end is not None and evaluations and evaluations[-1] is run.end:  # m2po train's evaluation after the loop
+        records = [*records, {"iteration": run.end.iteration, POLICY_VERSION: run.end.update,
+                              HELDOUT_ACCURACY: run.end.accuracy}]
+    try:
+        found = history_collapse(records, rule)
+    except ConfigError:  # a space file edited since the lab ran: the stopper's defaults
+        rule = {}
+        found = history_collapse(records, rule)
+    run.collapse_rule = rule
+    if run.collapse is None and found is not None:
+        run.collapse = {**found, "source": "report"}
+    return run
 
 
 def _is_train_run(d: Path) -> bool:
@@ -149,15 +250,16 @@ def _is_trial(d: Path) -> bool:
     return (d / "params.json").exists() and ((d / "result.json").exists() or (d / "progress.csv").exists())
 
 
-def find_runs(dirs: list[str], depth: int = 3) -> list[Run]:
-    """Every run directory at or below `dirs`; ValueError when there is none."""
+def find_runs(dirs: list[str], depth: int = 3, last_k: int = LAST_K) -> list[Run]:
+    """Every run directory at or below `dirs`, each run's final value the mean of its last
+    `last_k` evaluations; ValueError when there is none."""
     found: list[Run] = []
 
     def walk(d: Path, level: int):
         if _is_train_run(d):
-            found.append(_train_run(d))
+            found.append(_train_run(d, last_k))
         elif _is_trial(d):
-            found.append(_tune_trial(d))
+            found.append(_tune_trial(d, last_k))
         elif level < depth:
             for child in sorted(p for p in d.iterdir() if p.is_dir() and p.name != "checkpoint"):
                 walk(child, level + 1)
@@ -223,7 +325,7 @@ class PhaseCell:
 
     @property
     def collapsed(self) -> int:
-        return sum(r.note.startswith("collapsed") for r in self.runs)
+        return sum(r.collapsed for r in self.runs)
 
 
 @dataclass

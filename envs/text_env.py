@@ -9,8 +9,11 @@ in a multi-turn episode) and, when a tokenizer is bound, "prompt_token_ids" (int
 array; special tokens are added for non-chat templates, the chat template already has
 them). Multi-turn envs add "inserted" (and "inserted_token_ids"): what the env appended
 after the policy's last turn (empty at reset), which a runner keeping the policy's own
-token ids appends instead of re-tokenizing the conversation. Action: the completion text (str; bytes or None are accepted and scored 0 if
-unreadable). Reward: 1.0 for a correct final answer, else 0.0, from `envs.reward`.
+token ids appends instead of re-tokenizing the conversation; `info["dropped_chars"]` counts
+the characters of that text the tokenizer has no token for, which the policy never sees
+(each also logged once). Action: the completion text (str; bytes or None are accepted and
+scored 0 if unreadable; text that is not valid Unicode, a lone surrogate, is kept with
+U+FFFD in its place). Reward: 1.0 for a correct final answer, else 0.0, from `envs.reward`.
 
 Episodes. `reset(seed=s)` picks the problem from `s` alone, so G copies reset with the
 same seed share a prompt (GRPO groups); `reset(options={"index": i})` takes problem i of
@@ -27,6 +30,9 @@ answers)` or `envs.shared_verifier().check_batch(pairs)` score arbitrary pairs.
 from __future__ import annotations
 
 import inspect
+import logging
+import unicodedata
+from collections import Counter
 
 import gymnasium as gym
 import numpy as np
@@ -37,10 +43,12 @@ from envs.arithmetic import ArithmeticTasks
 from envs.column_addition import ColumnAdditionTasks
 from envs.datasets import DatasetTasks
 from envs.reward import Verdict, shared_verifier
-from envs.tasks import Problem, TaskSource, check_split
+from envs.tasks import SPLITS, Problem, TaskSource, check_split
 from envs.templates import INSTRUCTION, render_prompt
 
+logger = logging.getLogger(__name__)
 MAX_TEXT_CHARS = 1 << 20
+_WARNED_CHARS: set[tuple[str, str]] = set()  # (tokenizer, character) already said
 
 
 class AnyText(spaces.Text):
@@ -57,6 +65,25 @@ def load_tokenizer(tokenizer):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer)
+
+
+def well_formed(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: a str that is not valid Unicode
+    (a hostile action, `"\\ud800"`) makes a tokenizer raise a TypeError."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def dropped_chars(tokenizer, text: str, ids: list[int] | None = None) -> Counter:
+    """The characters of (well-formed) `text` that its tokens `ids` (default: `text` encoded
+    without special tokens) do not hold, with how often: a byte-level vocabulary without them
+    drops them silently, others make them the unknown token. Found by decoding the tokens (a
+    character may exist only inside a longer token, as `{` in `\\boxed{`); whitespace is not
+    counted (decoders normalize it)."""
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    kept = tokenizer.decode([i for i in ids if i != tokenizer.unk_token_id], clean_up_tokenization_spaces=False)
+    lost = Counter(unicodedata.normalize("NFC", text)) - Counter(kept)
+    return Counter({char: n for char, n in lost.items() if not char.isspace()})
 
 
 class MathTextEnv(gym.Env):
@@ -112,6 +139,13 @@ class MathTextEnv(gym.Env):
         """Episodes may take more than one policy turn (the runner then runs its episode loop)."""
         return self.max_turns > 1
 
+    @classmethod
+    def takes_turns(cls, env_config: dict) -> bool:
+        """Whether the env made from `env_config` is `multi_turn`, told without making it (a
+        dataset env loads its data): config validation asks before Ray starts."""
+        turns = env_config.get("max_turns", 1)
+        return isinstance(turns, int) and turns > 1
+
     @property
     def num_problems(self) -> int | None:
         """Problems in this env's split (None: unbounded, any index >= 0 is valid)."""
@@ -143,21 +177,36 @@ class MathTextEnv(gym.Env):
         verdict = shared_verifier().check(action, self.problem.answer)
         self.turn += 1
         terminated = verdict.correct or self.turn >= self.max_turns
+        dropped = 0
         if not terminated:
-            self._continue(_as_text(action), self.feedback(verdict, action))
+            dropped = self._continue(_as_text(action), self.feedback(verdict, action))
         self._done = terminated
         info = self._info()
-        info.update(correct=verdict.correct, extracted=verdict.extracted, verifier=verdict.verifier)
+        info.update(correct=verdict.correct, extracted=verdict.extracted, verifier=verdict.verifier,
+                    dropped_chars=dropped)
         return self._obs, verdict.reward, terminated, False, info
 
-    def _continue(self, completion: str, reply: str, role: str = "user") -> None:
+    def _continue(self, completion: str, reply: str, role: str = "user") -> int:
         """The episode goes on: the policy's turn and the env's reply join the conversation,
         and the observation holds the whole conversation and what the env inserted after the
         policy's turn (`inserted`, `inserted_token_ids`: what a runner that keeps the policy's
-        own token ids appends, instead of re-tokenizing the conversation)."""
-        self.messages.append({"role": "assistant", "content": completion})
-        self.messages.append({"role": role, "content": reply})
+        own token ids appends, instead of re-tokenizing the conversation). Returns how many
+        characters of the inserted text the tokenizer has no token for (`info["dropped_chars"]`:
+        the policy reads the text without them)."""
+        self.messages.append({"role": "assistant", "content": well_formed(completion)})
+        self.messages.append({"role": role, "content": well_formed(reply)})
         self._obs = self._observation(inserted=self._inserted_text())
+        if self.tokenizer is None:
+            return 0
+        lost = dropped_chars(self.tokenizer, self._obs["inserted"], self._obs["inserted_token_ids"].tolist())
+        name = str(getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__))
+        for char in lost:
+            if (name, char) not in _WARNED_CHARS:
+                _WARNED_CHARS.add((name, char))
+                logger.warning("the tokenizer %s has no token for %r, which the env inserted (a tool's result or "
+                               "feedback): the policy reads the text without it (counted in episode/dropped_chars)",
+                               name, char)
+        return sum(lost.values())
 
     def _inserted_text(self) -> str:
         """The text the conversation holds after the policy's last turn: rendered with a
@@ -177,6 +226,45 @@ class MathTextEnv(gym.Env):
         if verdict.extracted is None:
             return f"I could not find a final answer. {INSTRUCTION}"
         return f"The answer {verdict.extracted} is not correct. Try again. {INSTRUCTION}"
+
+    # -- what an episode may hold (checked against the model's context before Ray starts) --
+    def longest_prompt(self, limit: int = 512) -> tuple[int, bool]:
+        """(tokens, exact): the longest first observation over both splits, exact where a split
+        has at most `limit` problems (all measured), else the longest of `limit` drawn from it
+        (seeds 0..limit-1, as the runner draws them)."""
+        if self.tokenizer is None:
+            raise ValueError("longest_prompt() needs a tokenizer bound to the env")
+        longest, exact = 0, True
+        for split in SPLITS:
+            n = self.tasks.num_problems(split)
+            if n is not None and n <= limit:
+                problems = [self.tasks.problem(i, split) for i in range(n)]
+            else:
+                exact = False
+                problems = [self.tasks.sample(np.random.default_rng(seed), split) for seed in range(limit)]
+            prompts = [render_prompt(p.question, self.template, self.tokenizer) for p in problems]
+            longest = max([longest, *(len(self._prompt_ids(prompt)) for prompt in prompts)])
+        return longest, exact
+
+    def longest_reply(self, max_new_tokens: int) -> int | None:
+        """An upper estimate of the tokens the env inserts after a policy turn of at most
+        `max_new_tokens` tokens (None: no bound is known before the run). The feedback is
+        rendered for each kind of wrong answer with an empty answer, and what it echoes of the
+        turn counted at `max_new_tokens` tokens, the whole turn."""
+        if self.tokenizer is None:
+            raise ValueError("longest_reply() needs a tokenizer bound to the env")
+        saved = self.messages
+        try:
+            longest = 0
+            for extracted in (None, ""):
+                reply = self.feedback(Verdict(0.0, False, extracted, "fast"), "")
+                self.messages = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": ""},
+                                 {"role": "user", "content": reply}]
+                inserted = self.tokenizer(self._inserted_text(), add_special_tokens=False)["input_ids"]
+                longest = max(longest, len(inserted))
+        finally:
+            self.messages = saved
+        return longest + max_new_tokens
 
     # -- batched scoring ----------------------------------------------------------------
     def score_group(self, completions) -> list[Verdict]:
@@ -222,12 +310,14 @@ class MathTextEnv(gym.Env):
         if self.multi_turn:
             obs["inserted"] = inserted
         if self.tokenizer is not None:
-            ids = self.tokenizer(prompt, add_special_tokens=self.template != "chat")["input_ids"]
-            obs["prompt_token_ids"] = np.asarray(ids, dtype=np.int64)
+            obs["prompt_token_ids"] = np.asarray(self._prompt_ids(prompt), dtype=np.int64)
             if self.multi_turn:
                 extra = self.tokenizer(inserted, add_special_tokens=False)["input_ids"] if inserted else []
                 obs["inserted_token_ids"] = np.asarray(extra, dtype=np.int64)
         return obs
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=self.template != "chat")["input_ids"]
 
     def _info(self) -> dict:
         return {

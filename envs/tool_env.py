@@ -14,15 +14,19 @@ Protocol (one policy turn per `step`):
 Text of a call turn, as the policy writes it: `12345*6789=<calc>12345*6789</calc>`; the
 runner hands `step` the text cut before the stop string, and `step` accepts it with or
 without the closer. Hostile or unreadable calls (imports, names, huge powers, empty or
-unclosed garbage) get an `<error>` observation from the sandbox, never an exception; every
-`info` says whether the turn was a call (`tool_call`) and whether it failed (`tool_error`).
+unclosed garbage, text that is not valid Unicode) get an `<error>` observation from the
+sandbox, never an exception; every `info` says whether the turn was a call (`tool_call`),
+whether it failed (`tool_error`) and how many characters of the inserted text the tokenizer
+has no token for (`dropped_chars`: a result such as `7/3 (~2.33333333333)` for a vocabulary
+without `~`). The markers and formats themselves must be made of characters the tokenizer
+encodes: the env refuses others when it is made.
 """
 
 from __future__ import annotations
 
 from envs.arithmetic import ArithmeticTasks
 from envs.reward import shared_verifier
-from envs.text_env import MathTextEnv, _as_text, _split_config
+from envs.text_env import MathTextEnv, _as_text, _split_config, dropped_chars, well_formed
 from envs.tools import TOOLS, ToolSandbox
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
@@ -72,11 +76,37 @@ class ToolMathEnv(MathTextEnv):
         self.call_open, self.call_close = call_open, call_close
         self.result_format, self.error_format = result_format, error_format
         self.stop = (call_close,)
+        self._check_encodable()
         self.sandbox = shared_sandbox(tool_time_limit_s)
+
+    def _check_encodable(self) -> None:
+        """Refuses markers and formats with characters the tokenizer has no token for: the
+        policy could never write such a marker, nor read what the env inserts as it was meant."""
+        if self.tokenizer is None:
+            return
+        settings = (("call_open", self.call_open), ("call_close", self.call_close),
+                    ("result_format", self.result_format), ("error_format", self.error_format))
+        lost = {name: dropped_chars(self.tokenizer, well_formed(value.replace("{}", ""))) for name, value in settings}
+        bad = [f"{name}={value!r} ({''.join(lost[name])!r})" for name, value in settings if lost[name]]
+        if bad:
+            name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
+            raise ValueError(
+                f"the tokenizer ({name}) has no token for some characters of {', '.join(bad)}: it would drop "
+                "them from what the policy writes and reads; make the markers of characters it has (the "
+                "built-in models': call_open='CALC(', call_close=')=', result_format='{}.', error_format='ERR.')"
+            )
 
     @property
     def multi_turn(self) -> bool:
         return True
+
+    @classmethod
+    def takes_turns(cls, env_config: dict) -> bool:
+        return True
+
+    def longest_reply(self, max_new_tokens: int) -> int | None:
+        """None: a tool's result has no bound known before the run (up to ~6000 digits)."""
+        return None
 
     def step(self, action):
         if self._done:
@@ -89,18 +119,18 @@ class ToolMathEnv(MathTextEnv):
             self._done = True
             info = self._info()
             info.update(correct=verdict.correct, extracted=verdict.extracted, verifier=verdict.verifier,
-                        tool_call=False, tool_error=False)
+                        tool_call=False, tool_error=False, dropped_chars=0)
             return self._obs, verdict.reward, True, False, info
-        result = self.sandbox.run(self.tool, expr)
+        result = self.sandbox.run(self.tool, expr)  # text that is not valid Unicode: an error result
         info = self._info()
-        info.update(correct=False, tool_call=True, tool_error=not result.ok)
+        info.update(correct=False, tool_call=True, tool_error=not result.ok, dropped_chars=0)
         if self.turn >= self.max_turns:  # out of turns with a call pending: no answer
             self._done = True
             info["budget"] = "max_turns"
             return self._obs, 0.0, False, True, info
         call = text if text.rstrip().endswith(self.call_close) else text + self.call_close
         reply = (self.result_format if result.ok else self.error_format).format(result.output)
-        self._continue(call, reply, role="tool")
+        info["dropped_chars"] = self._continue(call, reply, role="tool")
         return self._obs, 0.0, False, False, info
 
 

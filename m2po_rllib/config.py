@@ -172,7 +172,8 @@ class M2POConfig(AlgorithmConfig):
         # feedback mode, env_config max_turns > 1, and tool envs): the runner's caps on policy
         # turns (None: the env's own max_turns) and on the tokens after the prompt, the
         # policy's and the env's (None: no cap but max_new_tokens per turn). An episode that
-        # reaches a cap before it ends is truncated with reward 0.
+        # reaches a cap before it ends is truncated with reward 0. validate() checks that an
+        # episode fits the model's positions (rollout/budget.py).
         self.max_episode_turns = None
         self.max_episode_tokens = None
         # Emulated long-tailed generation time (experiments on machines where generation is

@@ -16,6 +16,9 @@ M2_AFTER = "m2po/m2_after"  # ... over the kept tokens
 KEPT_TOKENS = "m2po/kept_tokens"
 MASKED_TOKENS = "m2po/masked_tokens"
 MASKED_FRAC = "m2po/masked_frac"
+# tokens of the cut's value the mask keeps (Alg. 1 drops ties one at a time), over the valid
+# tokens: what dropping every tie at the cut would have masked on top of M2PO's minimal set
+TIED_KEPT_FRAC = "m2po/tied_kept_frac"
 ENTROPY_ALL = "m2po/entropy_all"
 ENTROPY_MASKED = "m2po/entropy_masked"
 TAU_C = "m2po/tau_c"  # m2po_official: the clip bound found for the budget
@@ -90,6 +93,7 @@ EPISODE_ENV_TOKENS = "episode/env_tokens"
 EPISODE_TRUNCATED = "episode/truncated_frac"  # a turn or token budget ran out: reward 0
 EPISODE_TOOL_CALLS = "episode/tool_calls"
 EPISODE_TOOL_ERRORS = "episode/tool_errors"  # calls the tool refused or failed (an error observation)
+EPISODE_DROPPED_CHARS = "episode/dropped_chars"  # inserted characters the tokenizer has no token for
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_MEAN_AT_K = "eval/mean_at_k"
 EVAL_RESPONSE_LEN = "eval/response_len_mean"

@@ -317,6 +317,61 @@ def check_batch_shapes(config) -> list[Problem]:
     return out
 
 
+def check_episode_budget(config) -> list[Problem]:
+    """A multi-turn episode fits the model's context (rollout/budget.py): the longest prompt +
+    min(max_episode_tokens, turns x max_new_tokens + (turns - 1) x the env's longest reply)
+    <= the model's positions. Skipped where the env is single-turn or the model or the data
+    are not on this machine."""
+    from m2po_rllib.rollout.budget import episode_shape, model_positions
+
+    model = (config.model_config or {}).get("model")
+    try:
+        shape = episode_shape(config.env, dict(config.env_config or {}), model, config.max_new_tokens)
+    except ValueError as e:  # the env's own check of its env_config
+        return [problem("env_config", str(e))]
+    positions = model_positions(model) if shape is not None else None
+    if positions is None:
+        return []
+    where = f"{model}'s max_position_embeddings"
+    max_model_len = (config.engine_kwargs or {}).get("max_model_len")
+    if max_model_len and config.resolved_rollout_engine() == "vllm" and max_model_len < positions:
+        positions, where = max_model_len, "engine_kwargs max_model_len"
+    turns = shape.max_turns if config.max_episode_turns is None else min(shape.max_turns, config.max_episode_turns)
+    new, reply, cap, prompt = config.max_new_tokens, shape.reply_tokens, config.max_episode_tokens, shape.prompt_tokens
+    room = positions - prompt
+    uncapped = new if turns == 1 else None if reply is None else turns * new + (turns - 1) * reply
+    if min(x for x in (cap, uncapped, math.inf) if x is not None) <= room:
+        return []
+    longest = f"the longest prompt ({prompt} tokens{'' if shape.prompt_exact else '; a large split sampled'})"
+    limit = f"the model's {positions} positions ({where})"
+    truncated = "episodes that reach it end truncated, reward 0"
+    if prompt + new > positions:  # (max_episode_tokens >= max_new_tokens)
+        return [problem(("max_new_tokens", "env_config"), (
+            f"one turn does not fit {limit}: {longest} + `max_new_tokens` ({new}) = {prompt + new}; "
+            + (f"lower max_new_tokens to {room}" if room >= 1 else "use shorter prompts")
+        ))]
+    if cap is not None:
+        return [problem(("max_episode_tokens", "env_config"), (
+            f"an episode may not fit {limit}: {longest} + `max_episode_tokens` ({cap}) = {prompt + cap}; lower "
+            f"env_runners.max_episode_tokens to {room} ({truncated})"
+        ))]
+    if uncapped is None:
+        return [problem(("max_episode_tokens", "env_config"), (
+            f"{config.env}'s replies have no bound known before the run (a tool's result may be thousands "
+            f"of tokens), so {turns}-turn episodes need a token cap to fit {limit}: set "
+            f"env_runners.max_episode_tokens to at most {room} ({positions} - {prompt}; {truncated})"
+        ))]
+    fits = max((k for k in range(1, turns) if k * new + (k - 1) * reply <= room), default=1)
+    return [problem(("env_config", "max_episode_turns", "max_episode_tokens"), (
+        f"a {turns}-turn episode may not fit {limit}: {longest} + {turns} turns x `max_new_tokens` ({new}) + "
+        f"{turns - 1} env replies x up to {reply} tokens (an upper estimate: the feedback, with the answer "
+        f"it repeats counted at max_new_tokens) = {prompt + uncapped}; lower the turns to {fits} "
+        f"(environment.env_config.max_turns or env_runners.max_episode_turns: "
+        f"{prompt + fits * new + (fits - 1) * reply} tokens), or set env_runners.max_episode_tokens={room} "
+        f"({truncated})"
+    ))]
+
+
 WEIGHT_SYNCS = ("object_store", "native")
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
 SERVED_DTYPES = ("float32", "bfloat16", "float16")
@@ -496,7 +551,7 @@ def notices(config) -> list[str]:
 # Stages after RLlib's own `validate()`: a later stage assumes the earlier ones passed.
 STAGES: tuple[tuple[Check, ...], ...] = (
     (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
-    (check_batch_shapes,),
+    (check_batch_shapes, check_episode_budget),
     (check_rollout_mode, check_weight_sync),
 )
 

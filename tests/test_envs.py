@@ -400,6 +400,26 @@ def test_dataset_problem_ids_are_the_same_in_every_process():
         assert json.loads(out.stdout) == expected
 
 
+def test_a_json_error_points_where_the_line_or_file_goes_wrong(tmp_path):
+    """A row cut short (no closing brace) is wrong at the end of its line, not at "column 1"
+    (json's place once the newline is read); an error inside a line keeps its column; a .json
+    file cut short is wrong at its end."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"question": "What is 1+1?", "answer": "2"}\n{"question": "What is 2+2?", "answer": "4"\n')
+    with pytest.raises(ValueError) as err:
+        DatasetTasks(path=str(data))
+    assert str(err.value) == f"{data}, line 2: not valid JSON (Expecting ',' delimiter at the end of the line)"
+    data.write_text('{"question": "What is 2+2?" "answer": "4"}\n')
+    with pytest.raises(ValueError) as err:
+        DatasetTasks(path=str(data))
+    assert str(err.value) == f"{data}, line 1: not valid JSON (Expecting ',' delimiter at column 29)"
+    data = tmp_path / "mine.json"
+    data.write_text('[\n  {"question": "What is 1+1?", "answer": "2"},\n  {"question": "What is 2+2?", "answer": "4"}\n\n')
+    with pytest.raises(ValueError) as err:
+        DatasetTasks(path=str(data))
+    assert str(err.value) == f"{data}: not valid JSON (Expecting ',' delimiter at the end of the file)"
+
+
 def test_malformed_data_names_the_file_the_line_and_the_field(tmp_path):
     row = '{"question": "What is 1+1?", "answer": "2"}\n'
     data = tmp_path / "mine.jsonl"

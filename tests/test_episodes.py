@@ -88,6 +88,52 @@ def test_tool_env_refuses_bad_markers_and_tools(tokenizer):
     assert parse_call("x CALC(1+2)= y", "CALC(", ")=") == "1+2" and parse_call("no call", "CALC(", ")=") is None
 
 
+def test_text_that_is_not_unicode_gets_an_error_observation_not_an_exception(tokenizer):
+    """A lone surrogate (no tokenizer encodes it): in a call, the call fails like any bad
+    call, counted as a tool error; in a feedback episode's answer, the episode goes on."""
+    env = _tool_env(tokenizer)
+    env.reset(seed=1)
+    obs, reward, terminated, truncated, info = env.step("CALC(1+\ud800")
+    assert obs["inserted"] == "ERR." and info["tool_error"] and not (terminated or truncated)
+    assert "\ufffd" in obs["prompt"] and len(obs["prompt_token_ids"]) > 0
+    feedback = gym.make("m2po/Arithmetic-v0", disable_env_checker=True, tokenizer=tokenizer, template="compact",
+                        digits=2, max_turns=3).unwrapped
+    feedback.reset(seed=1)
+    obs, reward, terminated, _, _ = feedback.step("\\boxed{1\ud800}")
+    assert (reward, terminated) == (0.0, False) and "is not correct" in obs["inserted"]
+    assert tokenizer.decode(obs["inserted_token_ids"]) == obs["inserted"].replace("\ufffd", "")
+
+
+def test_markers_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made(tokenizer):
+    """The default markers need `<` and `>`, which the built-in vocabulary lacks: refused with
+    the settings, the characters and the fix, before any episode; through the config too."""
+    with pytest.raises(ValueError, match=r"no token for some characters of call_open='<calc>' \('<>'\), call_close="
+                                         r"'</calc>' \('<>'\), result_format='<result>\{\}</result>' \('<>'\).*call_open='CALC\('"):
+        _tool_env(tokenizer, call_open="<calc>", call_close="</calc>", result_format="<result>{}</result>",
+                  error_format="ERR.")
+    cfg = _config("m2po/ToolArithmetic-v0", {"digits": 3, "max_turns": 2}, max_episode_tokens=64)
+    with pytest.raises(ConfigError, match=r"no token for some characters of call_open='<calc>'") as e:
+        cfg.validate()
+    assert "env_config" in e.value.settings
+
+
+def test_characters_the_tokenizer_lacks_in_a_tool_result_are_counted(tokenizer):
+    """`7/3 (~2.33333333333)`: the built-in vocabulary has no `~`; the inserted tokens lack
+    it, and the turn's info, the episode and the round's metrics say so."""
+    from m2po_rllib.rollout.engine import Completion
+    from m2po_rllib.rollout.episodes import Episode, _play_turn, episode_metrics
+
+    env = _tool_env(tokenizer)
+    env.reset(seed=1)
+    episode = Episode([1, 2], env)
+    _play_turn(episode, Completion(tokenizer("CALC(7/3")["input_ids"], [-0.1] * 8, "CALC(7/3", "stop"),
+               float("inf"), last_turn=False)
+    assert env._obs["inserted"] == "7/3 (~2.33333333333)."
+    assert tokenizer.decode(env._obs["inserted_token_ids"]) == "7/3 (2.33333333333)."
+    assert episode.dropped_chars == 1 and episode_metrics([episode])[keys.EPISODE_DROPPED_CHARS] == 1.0
+    assert env.step("\\boxed{2}")[4]["dropped_chars"] == 0
+
+
 # -- the runner's episode loop -----------------------------------------------------------
 def _config(env="m2po/Arithmetic-v0", env_config=None, **runners):
     return (
@@ -154,6 +200,43 @@ def test_runner_caps_are_validated():
         _config(max_episode_turns=0).validate()
 
 
+def test_an_episode_that_may_not_fit_the_models_context_is_refused_with_the_arithmetic():
+    """builtin:arith-tiny has 256 positions; 3 turns of 6 tokens after a 6-token prompt with two
+    feedbacks of up to 113 + 6 tokens (the answer it repeats) need 262: refused with each
+    term and both fixes, which pass; a cap past the positions and a tool env without a cap
+    (its results have no bound) are refused too."""
+    terms = (r"the longest prompt \(6 tokens; a large split sampled\) \+ 3 turns x `max_new_tokens` \(6\) "
+             r"\+ 2 env replies x up to 119 tokens .* = 262")
+    fixes = r"lower the turns to 2 .*137 tokens\), or set env_runners.max_episode_tokens=250 \(episodes"
+    with pytest.raises(ConfigError, match=r"a 3-turn episode may not fit the model's 256 positions \(builtin:arith-tiny's "
+                                          rf"max_position_embeddings\): {terms}; {fixes}"):
+        _config().validate()
+    _config(max_episode_tokens=250).validate()
+    _config(env_config={"max_turns": 2}).validate()
+    _config(max_episode_turns=2).validate()
+    with pytest.raises(ConfigError, match=r"`max_episode_tokens` \(251\) = 257; lower env_runners.max_episode_tokens to 250"):
+        _config(max_episode_tokens=251).validate()
+    tool = {"digits": 3, "call_open": "CALC(", "call_close": ")=", "result_format": "{}.", "error_format": "ERR."}
+    with pytest.raises(ConfigError, match=r"m2po/ToolArithmetic-v0's replies have no bound known before the run .* "
+                                          r"env_runners.max_episode_tokens to at most 248 \(256 - 8"):
+        _config("m2po/ToolArithmetic-v0", tool).validate()
+    _config("m2po/ToolArithmetic-v0", tool, max_episode_tokens=64).validate()
+
+
+def test_the_feedback_after_any_turn_is_within_the_envs_estimate(tokenizer):
+    """`longest_reply(n)` bounds what the env inserts after a turn of n tokens: the worst
+    turn, a bare n-digit number that the feedback repeats, reaches it exactly (one token a
+    character)."""
+    env = gym.make("m2po/Arithmetic-v0", disable_env_checker=True, tokenizer=tokenizer, template="compact",
+                   digits=2, max_turns=3).unwrapped
+    for turn in ("987654", "\\boxed{9}", "no answer", ""):
+        env.reset(seed=0)
+        assert len(env.step(turn)[0]["inserted_token_ids"]) <= env.longest_reply(6)
+    env.reset(seed=0)
+    assert len(env.step("987654")[0]["inserted_token_ids"]) == env.longest_reply(6) == 119
+    assert env.longest_prompt() == (6, False)
+
+
 def test_an_env_that_breaks_the_protocol_is_named(tokenizer):
     from m2po_rllib.rollout.engine import Completion
     from m2po_rllib.rollout.episodes import Episode, _play_turn
@@ -208,7 +291,7 @@ def test_training_on_feedback_episodes_replays_the_engine_exactly(ray_session):
     to the env's tokens, so its log-probs of every policy token, later turns included, equal
     the engine's (a learner that dropped the env tokens from its context would disagree on
     every turn after the first)."""
-    algo = _config(max_episode_turns=3).build_algo()
+    algo = _config(max_episode_tokens=250).build_algo()  # 3 turns within the model's 256 positions
     try:
         result = algo.train()
         assert result[keys.LOGP_MISMATCH_MAX] < 1e-4

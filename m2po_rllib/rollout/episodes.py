@@ -47,6 +47,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    dropped_chars: int = 0  # characters the env inserted that the tokenizer has no token for
     done: bool = False
     truncated: bool = False
 
@@ -105,6 +106,7 @@ def _play_turn(episode: Episode, completion, budget: float, last_turn: bool) -> 
     episode.turns += 1
     episode.tool_calls += int(bool(info.get("tool_call", False)))
     episode.tool_errors += int(bool(info.get("tool_error", False)))
+    episode.dropped_chars += int(info.get("dropped_chars", 0))
     if not isinstance(reward, (int, float, np.floating, np.integer)) or isinstance(reward, bool):
         raise TypeError(f"env {_env_name(episode.env)!r} returned reward {reward!r}; a float is expected")
     if terminated or truncated:
@@ -135,4 +137,5 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         keys.EPISODE_TRUNCATED: sum(e.truncated for e in episodes) / n,
         keys.EPISODE_TOOL_CALLS: sum(e.tool_calls for e in episodes) / n,
         keys.EPISODE_TOOL_ERRORS: sum(e.tool_errors for e in episodes) / n,
+        keys.EPISODE_DROPPED_CHARS: sum(e.dropped_chars for e in episodes) / n,
     }

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import m2po_rllib.losses.mask as mask_module
+from _references import plain_m2po_keep as reference_keep
 from m2po_rllib.losses import (
     LOCAL,
     POLICY_LOSSES,
@@ -24,27 +25,6 @@ from m2po_rllib.losses import (
 )
 
 # ---------------------------------------------------------------- references
-
-
-def reference_keep(log_ratio, valid, tau):
-    """M2PO Alg. 1 as a slow loop: remove the largest d one at a time, recompute the mean;
-    then remove the remaining copies of the last removed value (documented tie rule).
-    Non-finite log-ratios are removed first."""
-    lr = log_ratio.float()
-    d = (lr * lr).tolist()
-    flat_valid = valid.reshape(-1).tolist()
-    flat_d = [x for row in d for x in row]
-    kept = {i for i, ok in enumerate(flat_valid) if ok and math.isfinite(flat_d[i])}
-    last = None
-    while kept and math.fsum(flat_d[i] for i in kept) / len(kept) > tau:
-        largest = max(kept, key=lambda i: flat_d[i])
-        last = flat_d[largest]
-        kept.remove(largest)
-    if last is not None:
-        kept = {i for i in kept if flat_d[i] != last}
-    out = torch.zeros(valid.numel(), dtype=torch.bool)
-    out[sorted(kept)] = True
-    return out.reshape(valid.shape)
 
 
 def reference_tau(d, budget, solver):
@@ -119,30 +99,31 @@ def test_mask_properties(values, tau):
     dropped = [x for x, k in zip(d, keep.tolist()) if not k]
     assert _mean(kept) <= tau  # the bound holds
     if kept and dropped:
-        assert min(dropped) > max(kept)  # the largest go first; ties never split
-    if dropped:  # minimality: the smallest dropped value, all its copies, breaks it
-        smallest = min(dropped)
-        back = kept + [x for x in dropped if x == smallest]
-        assert _mean(back) > tau
-        if dropped.count(smallest) == 1:  # without a tie: one token back breaks it
-            assert _mean(kept + [smallest]) > tau
+        assert min(dropped) >= max(kept)  # the largest go first
+        if min(dropped) == max(kept):  # a tie split at the cut: earlier positions go first
+            at_cut = [i for i, x in enumerate(d) if x == min(dropped)]
+            assert keep[at_cut].tolist() == sorted(keep[at_cut].tolist())
+    if dropped:  # minimality (Alg. 1's count): any one dropped token back breaks the bound
+        assert _mean(kept + [min(dropped)]) > tau
 
 
 @settings(max_examples=60, deadline=None)
 @given(_values(), st.integers(0, 2**31 - 1))
 def test_mask_ignores_order_and_padding(values, seed):
-    lr = torch.tensor(values)
+    # one token per row, each row with its sample id (the tie-break key travels with it)
+    lr = torch.tensor(values)[:, None]  # (n, 1)
+    ids = torch.arange(len(values)) * 7 + 3
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(values), generator=g)
-    keep = m2po_keep_mask(lr[None], torch.ones(1, len(values), dtype=torch.bool), 0.04)[0]
-    # the same tokens shuffled into a padded (3, n) batch whose padding holds garbage
-    padded = torch.full((3, len(values)), float("nan"))
-    padded[1] = lr[perm]
-    valid = torch.zeros(3, len(values), dtype=torch.bool)
-    valid[1] = True
-    keep_padded = m2po_keep_mask(padded, valid, 0.04)
-    assert not keep_padded[0].any() and not keep_padded[2].any()
-    assert torch.equal(keep_padded[1], keep[perm])
+    keep = m2po_keep_mask(lr, torch.ones_like(lr, dtype=torch.bool), 0.04, sample_id=ids)[:, 0]
+    # the same rows shuffled into a batch with a padding row and padding columns of garbage
+    padded = torch.full((len(values) + 1, 3), float("nan"))
+    padded[1:, 0] = lr[perm, 0]
+    valid = torch.zeros(len(values) + 1, 3, dtype=torch.bool)
+    valid[1:, 0] = True
+    keep_padded = m2po_keep_mask(padded, valid, 0.04, sample_id=torch.cat([ids[:1] + 1, ids[perm]]))
+    assert not keep_padded[0].any() and not keep_padded[:, 1:].any()
+    assert torch.equal(keep_padded[1:, 0], keep[perm])
 
 
 def test_mask_edge_cases():
@@ -151,8 +132,8 @@ def test_mask_edge_cases():
     assert not m2po_keep_mask(lr, torch.zeros_like(valid), 0.04).any()  # no valid tokens
     assert torch.equal(m2po_keep_mask(lr, valid, math.inf), valid)
     assert torch.equal(m2po_keep_mask(lr, valid, 0.0), lr == 0)  # tau 0: only r == 1
-    # ties at the cut: both 0.25 values go, though dropping one would do
-    assert m2po_keep_mask(lr, valid, 0.1).tolist() == [[True, False, False, True, False]]
+    # ties at the cut: of the two 0.25 values only one goes (Alg. 1's count), the earlier
+    assert m2po_keep_mask(lr, valid, 0.1).tolist() == [[True, False, True, True, False]]
     # every token above the threshold: everything is dropped
     big = torch.tensor([[1.0, -2.0, 1.5]])
     assert not m2po_keep_mask(big, torch.ones_like(big, dtype=torch.bool), 0.04).any()

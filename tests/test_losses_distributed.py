@@ -69,6 +69,16 @@ def _worker(rank, port):
                 keep, stats = m2po_keep_mask_global(lr[rows], valid[rows], 0.04, return_stats=True)
                 assert torch.equal(keep, whole_keep[rows]), case
                 assert stats["m2po/kept_tokens"] == whole_keep.sum(), case
+                _, whole_stats = m2po_keep_mask_global(lr, valid, 0.04, LOCAL, return_stats=True)
+                assert stats["m2po/tied_kept_frac"] == whole_stats["m2po/tied_kept_frac"], case
+                # with sample ids, rows may sit anywhere: shuffled, then split the same way
+                g = torch.Generator().manual_seed(seed)
+                ids, perm = torch.randperm(len(lr), generator=g) * 3 + 11, torch.randperm(len(lr), generator=g)
+                whole_by_id = m2po_keep_mask(lr, valid, 0.04, sample_id=ids)
+                keep_by_id = m2po_keep_mask_global(
+                    lr[perm][rows], valid[perm][rows], 0.04, sample_id=ids[perm][rows]
+                )
+                assert torch.equal(keep_by_id, whole_by_id[perm][rows]), case
                 adv_t = adv[:, None].expand_as(lr)
                 for solver in ("exact", "breakpoint"):
                     tau = m2po_official_tau(lr[rows], adv_t[rows], valid[rows], 0.04, solver=solver)

@@ -7,8 +7,13 @@ touch); only then are the top values fetched, with `torch.topk`, in a few wideni
 rounds. Across data-parallel ranks the same search runs on all-reduced sums and on the
 merged per-rank top-m lists: any global top-m value is in its own rank's top-m, so the
 merged prefix is exact and every rank reaches the same cut. Only O(m * world) values
-travel, and nothing at all beyond three scalars when the batch is already within the
+travel, and nothing at all beyond four scalars when the batch is already within the
 threshold (the common case).
+
+Ties at the cut are broken as Algorithm 1 breaks them, one token at a time, in the order of
+a global key per token, (sample id, position in the response): the mask drops exactly the
+minimal number of tokens and still depends on nothing but each token's value and key, so
+no row order, padding width or split over ranks changes it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from m2po_rllib import keys
-from m2po_rllib.losses._dist import all_gather_cat, all_reduce_sum, world_size
+from m2po_rllib.losses._dist import LOCAL, all_gather_cat, all_reduce_sum, world_size
 
 # tau, the M2 budget of the paper and its official code (arXiv 2510.01161): M2POConfig's
 # default and these functions'.
@@ -33,12 +39,22 @@ _FIRST_TOP_FRACTION = 256
 _WIDEN = 8
 _NOT_A_CANDIDATE = -1.0  # d >= 0 for every candidate, so -1 sorts below all of them
 
+# The tie-break key of token t of a row: (row id << _POS_BITS) | t, one int64 that orders
+# as the pair (row id, t). The row id is the sample id, or without sample ids (rank <<
+# _ROW_BITS) | row, the row's place in the ranks' batches concatenated in rank order.
+_POS_BITS = 24  # responses up to 16.7M tokens
+_ROW_BITS = 24  # without sample ids: up to 16.7M rows per rank, 32768 ranks
+_MAX_ROW_ID = 1 << (63 - _POS_BITS)  # sample ids in [0, 2**39)
+_NO_KEY = torch.iinfo(torch.int64).max  # above every key
 
-def _check_inputs(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float, what: str):
+
+def _check_inputs(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float, what: str, sample_id=None):
     if log_ratio.shape != valid.shape:
         raise ValueError(
             f"log_ratio {tuple(log_ratio.shape)} and valid {tuple(valid.shape)} must have one shape"
         )
+    if sample_id is not None and (sample_id.dim() != 1 or len(sample_id) != len(valid)):
+        raise ValueError(f"sample_id {tuple(sample_id.shape)} must be (B,) for a batch {tuple(valid.shape)}")
     if math.isnan(threshold) or threshold < 0:
         raise ValueError(
             f"{what} must be >= 0 (0 keeps only tokens with log-ratio exactly 0, "
@@ -93,24 +109,76 @@ def _first_true(ok: torch.Tensor) -> int | None:
     return i if bool(ok[i]) else None
 
 
+def _row_ids(valid: torch.Tensor, sample_id, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row ids of the tie-break keys, (B,) int64, and how many ids (or T) are out of
+    range, a 0-d tensor (summed over the ranks with the other counts: all raise together)."""
+    B, T = valid.shape
+    if sample_id is None:
+        rank = dist.get_rank(group) if world_size(group) > 1 else 0
+        ids = torch.arange(B, device=valid.device, dtype=torch.int64) + (rank << _ROW_BITS)
+        out_of_range = int(B > 1 << _ROW_BITS)
+    else:
+        ids = sample_id.to(valid.device, torch.int64)
+        out_of_range = 0
+    out_of_range += int(T > 1 << _POS_BITS)
+    return ids, torch.count_nonzero((ids < 0) | (ids >= _MAX_ROW_ID)) + out_of_range
+
+
+def _drop_through(d, finite, top, k: int, n: int, row_ids, group):
+    """Keep mask once the k + 1 largest d are dropped, ties in the order of their keys, and
+    how many tokens of this rank have the cut's value and are kept.
+
+    Every d above the cut's value top[k] is in top[:k], so those go whole. Of the tokens
+    equal to it, the n_tied with the smallest keys go: each rank sends its own n_tied
+    smallest keys, and the n_tied-th smallest of all of them is the last key dropped.
+    """
+    cut = top[k]
+    keep = finite & (d < cut.float())
+    n_drop = k + 1
+    if n_drop == n or (n_drop < len(top) and top[n_drop] < cut):
+        return keep, 0  # every token of the cut's value is needed
+    n_tied = n_drop - int(torch.count_nonzero(top[:n_drop] > cut))  # >= 1
+    rows, pos = torch.nonzero(finite & (d == cut.float()), as_tuple=True)
+    key = (row_ids[rows] << _POS_BITS) | pos  # (number tied here,)
+    first = key.topk(min(n_tied, key.numel()), largest=False).values  # ascending
+    first = torch.cat([first, first.new_full((n_tied - first.numel(),), _NO_KEY)])
+    if world_size(group) > 1:
+        first = all_gather_cat(first, group).topk(n_tied, largest=False).values
+    # first[-1] is a real key: at least n_tied tokens have the cut's value (top[:n_drop]).
+    # Repeated keys at it go together; with unique keys exactly n_tied tokens go.
+    spared = key > first[-1]
+    keep[rows[spared], pos[spared]] = True
+    return keep, int(torch.count_nonzero(spared))
+
+
 @torch.no_grad()
-def _m2po_cut(log_ratio, valid, threshold: float, group):
-    """Shared body of the M2PO masks: (keep (B, T) bool, global sums as python floats)."""
-    _check_inputs(log_ratio, valid, threshold, "m2_threshold")
+def _m2po_cut(log_ratio, valid, threshold: float, group, sample_id=None):
+    """Shared body of the M2PO masks: keep (B, T) bool, and the global sums as python
+    floats with this rank's count of tokens tied at the cut and kept (`tied_kept`)."""
+    sample_id = None if sample_id is None else torch.as_tensor(sample_id)
+    _check_inputs(log_ratio, valid, threshold, "m2_threshold", sample_id)
     valid = valid.bool()
     lr = log_ratio.detach().float()
     finite = valid & torch.isfinite(lr)
     d = torch.where(finite, lr * lr, _NOT_A_CANDIDATE)  # (B, T)
     above = d > _largest_f32_at_most(threshold)
+    row_ids, bad_ids = _row_ids(valid, sample_id, group)
     sums = torch.stack(
         [
             d.clamp_min(0).sum(dtype=torch.float64),
             torch.count_nonzero(finite).double(),
             torch.count_nonzero(above).double(),
+            bad_ids.double(),
         ]
     )
-    total, n, n_above = all_reduce_sum(sums, group).tolist()
-    stats = {"sum": total, "n": n}
+    total, n, n_above, bad_ids = all_reduce_sum(sums, group).tolist()
+    if bad_ids:  # every rank raises, none is left waiting in a collective
+        raise ValueError(
+            f"the M2PO mask's tie-break needs sample ids in [0, 2**{63 - _POS_BITS}) and responses "
+            f"of at most 2**{_POS_BITS} tokens (without sample ids: at most 2**{_ROW_BITS} rows "
+            f"per rank); got {int(bad_ids)} ids or shapes out of range"
+        )
+    stats = {"sum": total, "n": n, "tied_kept": 0}
     if n == 0 or total <= threshold * n or n_above == 0:  # the last: float64 rounding
         return finite, stats
 
@@ -124,10 +192,8 @@ def _m2po_cut(log_ratio, valid, threshold: float, group):
         ok = (rest[1:] <= threshold * (n - dropped)) | (dropped == n)
         k = _first_true(ok)
         if k is not None:
-            # Ties at the cut go together: the mask depends on values only, never on
-            # token order, so every batch layout and sharding gives the same kept set.
-            cut = top[k].float()
-            return finite & (d < cut), stats
+            keep, stats["tied_kept"] = _drop_through(d, finite, top, k, int(n), row_ids, group)
+            return keep, stats
         if m >= n_above:
             # Only float64 rounding can get here; dropping all d > tau is exactly valid.
             return finite & ~above, stats
@@ -135,13 +201,18 @@ def _m2po_cut(log_ratio, valid, threshold: float, group):
 
 
 def m2po_keep_mask(
-    log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float = PAPER_M2_THRESHOLD
+    log_ratio: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float = PAPER_M2_THRESHOLD,
+    *,
+    sample_id: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """M2PO's token mask (Alg. 1, arXiv 2510.01161) over one batch, on this process only.
 
     Let d = log_ratio**2 over the valid tokens and M2 = mean(d). While M2 > threshold the
     largest d is dropped and M2 recomputed over the rest; the result marks the tokens that
-    stay in the loss. Vectorised: one reduction, then `topk` + suffix sums, no sort of
+    stay in the loss. Of equal d, the token with the smaller key (sample id, position in
+    the response) goes first. Vectorised: one reduction, then `topk` + suffix sums, no sort of
     the whole batch and no loop over tokens. No gradient flows through the mask.
 
     Args:
@@ -151,15 +222,19 @@ def m2po_keep_mask(
             whatever its log_ratio holds (NaN included).
         threshold: tau >= 0 (paper: 0.04). 0 keeps exactly the tokens with log_ratio == 0;
             inf keeps every finite token. Negative or NaN raises ValueError.
+        sample_id: (B,) int, each row's id in [0, 2**39) (the rollout batch's
+            `sample_id`), unique in the batch: then the mask of a token depends only on
+            the values and keys of the batch's tokens, not on the row order or the
+            padding width. None: the row index in this batch stands in for it.
 
     Returns:
         (B, T) bool, True for tokens that stay in the loss; always False on padding.
 
     Defined edge cases:
-        - Ties at the cut are dropped together, so the mask is a function of the values
-          alone (same result for any token order or split of the batch). It can drop a
-          few more tokens than the minimal count; putting the smallest dropped value
-          back (all its copies) always breaks the bound.
+        - Ties at the cut: only as many tokens of the cut's value go as the bound needs,
+          those with the smallest keys (Alg. 1 drops one token at a time). So the count
+          is minimal: putting any one dropped token back breaks the bound. Rows with
+          the same sample id share keys; tokens of one key at the cut go together.
         - No valid tokens: all False. M2 already <= threshold: keep every valid token.
         - Every token above threshold: dropping continues; when no non-empty set is
           within the bound, every token is dropped (the loss is then 0 with zero grad).
@@ -168,7 +243,7 @@ def m2po_keep_mask(
           bad log-prob cannot stop a run (the loss reports them as
           `policy/nonfinite_tokens`).
     """
-    return _m2po_cut(log_ratio, valid, float(threshold), group=None)[0]
+    return _m2po_cut(log_ratio, valid, float(threshold), LOCAL, sample_id)[0]
 
 
 def m2po_keep_mask_global(
@@ -177,15 +252,20 @@ def m2po_keep_mask_global(
     threshold: float = PAPER_M2_THRESHOLD,
     group=None,
     *,
+    sample_id: torch.Tensor | None = None,
     return_stats: bool = False,
 ):
     """`m2po_keep_mask` over the union of the batches of every rank in `group`.
 
     Each rank passes its own shard (any number of rows, possibly none valid) and gets
     back the mask of its shard; the kept set equals `m2po_keep_mask` on the concatenated
-    batch. Cost: one all-reduce of 3 float64 scalars and, only when the batch exceeds
-    the threshold, an all-gather of each rank's top-m d (m = max(4096, N/256) in the
-    first round, N the global token count).
+    batch. With `sample_id` (each rank its rows' ids, unique over the ranks) the mask of a
+    token does not depend on which rank holds its row or where; without, ties at the cut
+    are broken by the row's place in the ranks' batches concatenated in rank order.
+    Cost: one all-reduce of 4 float64 scalars and, only when the batch exceeds the
+    threshold, an all-gather of each rank's top-m d (m = max(4096, N/256) in the first
+    round, N the global token count), and, only when tokens of the cut's value are split
+    by it, an all-gather of each rank's n smallest keys of that value (n of them go).
     Every rank of `group` must call it. Without torch.distributed it is
     `m2po_keep_mask`.
 
@@ -200,9 +280,9 @@ def m2po_keep_mask_global(
     Returns:
         keep (B, T) bool; with `return_stats`, also a dict of global 0-d float32 tensors
         `m2po/m2_before`, `m2po/m2_after`, `m2po/kept_tokens`, `m2po/masked_tokens`,
-        `m2po/masked_frac` (one more all-reduce of 2 scalars).
+        `m2po/masked_frac`, `m2po/tied_kept_frac` (one more all-reduce of 4 scalars).
     """
-    keep, s = _m2po_cut(log_ratio, valid, float(threshold), group)
+    keep, s = _m2po_cut(log_ratio, valid, float(threshold), group, sample_id)
     if not return_stats:
         return keep
     lr = log_ratio.detach().float()
@@ -211,9 +291,10 @@ def m2po_keep_mask_global(
             torch.where(keep, lr * lr, 0.0).sum(dtype=torch.float64),
             torch.count_nonzero(keep).double(),
             torch.count_nonzero(valid).double(),
+            torch.tensor(float(s["tied_kept"]), dtype=torch.float64, device=keep.device),
         ]
     )
-    kept_sum, n_kept, n_valid = all_reduce_sum(kept, group).tolist()
+    kept_sum, n_kept, n_valid, tied_kept = all_reduce_sum(kept, group).tolist()
     nan = float("nan")
     stats = {
         keys.M2_BEFORE: s["sum"] / s["n"] if s["n"] else nan,
@@ -221,6 +302,7 @@ def m2po_keep_mask_global(
         keys.KEPT_TOKENS: n_kept,
         keys.MASKED_TOKENS: n_valid - n_kept,
         keys.MASKED_FRAC: (n_valid - n_kept) / n_valid if n_valid else nan,
+        keys.TIED_KEPT_FRAC: tied_kept / n_valid if n_valid else nan,
     }
     device = log_ratio.device
     return keep, {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in stats.items()}

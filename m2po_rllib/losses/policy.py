@@ -61,6 +61,7 @@ class PolicyLossInputs:
     group: object  # process group for global statistics; None with `scope_global` off
     scope_global: bool  # reduce mask statistics over the ranks of `group`
     entropy: torch.Tensor | None  # per-token entropy, for diagnostics only
+    sample_id: torch.Tensor | None = None  # (B,) the rows' ids: the M2PO mask's tie-break key
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = PAPER_M2_THRESHOLD):
         keep = x.keep_mask.bool() & x.usable
     else:
         group = x.group if x.scope_global else LOCAL
-        keep = _m2po_cut(x.log_ratio, x.usable, float(m2_threshold), group)[0]
+        keep, cut = _m2po_cut(x.log_ratio, x.usable, float(m2_threshold), group, x.sample_id)
     # exp of a zeroed log-ratio off `keep`: no inf * 0 in the forward or backward pass
     ratio = torch.exp(torch.where(keep, x.log_ratio, 0.0))
     per_token = torch.where(keep, -ratio * x.advantages, 0.0)
@@ -109,6 +110,8 @@ def m2po_loss(x: PolicyLossInputs, *, m2_threshold: float = PAPER_M2_THRESHOLD):
             keys.MASKED_TOKENS: torch.count_nonzero(masked).float(),
             keys.MASKED_FRAC: torch.count_nonzero(masked) / n_valid.clamp_min(1),
         }
+        if x.keep_mask is None:  # a precomputed mask's caller reports it (m2po_keep_mask_global)
+            metrics[keys.TIED_KEPT_FRAC] = cut["tied_kept"] / n_valid.clamp_min(1)
         if x.entropy is not None:
             metrics[keys.ENTROPY_MASKED] = _masked_mean(x.entropy, masked)
     return per_token, metrics
@@ -231,6 +234,7 @@ def compute_policy_loss(
     mask_scope: str = "global",
     correction_weight: torch.Tensor | None = None,
     correction_keep: torch.Tensor | None = None,
+    sample_id: torch.Tensor | None = None,
     **params,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar policy loss to minimise (minus the objective) and its metrics.
@@ -262,6 +266,9 @@ def compute_policy_loss(
             (B, T) constant weights on each token's loss, and the tokens that take part
             (the others leave the loss and M2PO's second moment, and still count in the
             token-mean denominator). Any loss composes with any correction.
+        sample_id: (B,) the rows' unique ids (the rollout batch's `sample_id`): the M2PO
+            mask breaks ties at its cut by (sample id, position), so that it does not
+            depend on the row order or the split over ranks (None: the row index).
         **params: the loss's own parameters (`policy_loss_params(name)` lists them):
             m2_threshold (m2po*, default 0.04), eps_low / eps_high (grpo 0.2 / 0.2,
             gspo 3e-4 / 4e-4), clip_ratio_c, min_clip_low / min_clip_high, tau_solver,
@@ -320,6 +327,7 @@ def compute_policy_loss(
         group=group,
         scope_global=mask_scope == "global",
         entropy=None if entropy is None else entropy.detach().float(),
+        sample_id=sample_id,
     )
     per_token, metrics = fn(inputs, **params)
     if correction_weight is not None:

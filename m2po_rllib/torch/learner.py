@@ -287,7 +287,10 @@ class M2POTorchLearner(TorchLearner):
             log_ratio = torch.where(usable, log_ratio, 0.0)
             threshold = ctx.params["m2_threshold"]
             if cfg.policy_loss == "m2po":
-                ctx.keep = m2po_keep_mask_global(log_ratio, usable, threshold, group)
+                ctx.keep, mask_stats = m2po_keep_mask_global(
+                    log_ratio, usable, threshold, group, sample_id=mb["sample_id"], return_stats=True
+                )
+                ctx.metrics.add({keys.TIED_KEPT_FRAC: mask_stats[keys.TIED_KEPT_FRAC]})  # global already
             else:
                 adv = mb["advantages"].float()[:, None].expand_as(log_ratio)
                 ctx.params["tau_c"] = m2po_official_tau(log_ratio, adv, usable, threshold, group)
@@ -355,6 +358,7 @@ class M2POTorchLearner(TorchLearner):
             mask_scope=ctx.mask_scope,
             correction_weight=weight,
             correction_keep=keep,
+            sample_id=batch["sample_id"],
             **ctx.params,
         )
         metrics[keys.LOSS] = loss.detach()

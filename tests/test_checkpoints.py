@@ -4,6 +4,7 @@ async) under the same, and a real `kill -9` of `m2po train` in the middle of a s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -192,12 +193,18 @@ def test_the_algorithm_restores_a_whole_checkpoint_after_a_kill_at_any_step(mode
 def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, tmp_path):
     from test_cli import _overrides, _user_env
 
+    import tempfile
+
+    import psutil
+
     run = tmp_path / "run"
+    # the job's own local Ray, in a temp dir of its own (short: Ray's sockets live under it)
+    env = {**_user_env(), "RAY_TMPDIR": tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")}
     args = [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--config", "configs/default.yaml",
             "--output", str(run), "--stop-iters", "50", "--checkpoint-every", "1", "--no-progress",
             *_overrides(tiny_model_dir), "evaluation.evaluation_interval=null", "run.eval_at_start=false"]
     repo = Path(__file__).resolve().parents[1]
-    job = subprocess.Popen(args, cwd=repo, env=_user_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    job = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            start_new_session=True)
     deadline = time.monotonic() + 240
     caught = False
@@ -208,11 +215,18 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
         while time.monotonic() < deadline and job.poll() is None:
             new = [p for p in run.glob("checkpoint.new-*")] if run.exists() else []
             if new and checkpoints.newest(run / "checkpoint") is not None and _iteration(run) >= 2:
-                os.killpg(job.pid, signal.SIGKILL)
+                ray_processes = [p for p in psutil.Process(job.pid).children(recursive=True)
+                                 if "ray_watchdog" not in " ".join(p.cmdline())]
+                job.kill()  # the driver alone, as a user's kill -9 PID (or a lost node) does
                 caught = True
                 break
+        if caught:
+            # the local Ray it started (raylet, GCS, agents, workers) ends with it
+            job.wait(timeout=60)
+            _, alive = psutil.wait_procs(ray_processes, timeout=30)
+            assert not alive, f"left running after the job's kill -9: {[p.cmdline()[:1] for p in alive]}"
     finally:
-        if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=60)
     assert caught, f"no save was caught in progress: {job.stderr.read().decode()[-2000:]}"
@@ -223,7 +237,7 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
     resumed = subprocess.run(
         [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--resume", str(run), "--stop-iters",
          str(saved_iteration + 1), "--no-progress"],
-        cwd=repo, env=_user_env(), capture_output=True, text=True, timeout=300,
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed {run} at iteration {saved_iteration}" in resumed.stdout
@@ -237,6 +251,7 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
     assert {b - a for a, b in zip(versions, versions[1:])} <= {0, 2} and versions[-1] > 0
     assert summary["policy_version"] == versions[-1]
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 def _iteration(run: Path) -> int:

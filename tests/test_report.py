@@ -120,6 +120,8 @@ def test_report_table_equals_the_histories(train_runs, tmp_path, capsys):
     acc = [[s["start_heldout_accuracy"]] + [h["heldout_accuracy"] for h in hist] for hist, s in zip(histories, summaries)]
     final, best = [statistics.fmean(a[-3:]) for a in acc], [max(a) for a in acc]
     assert [[e["accuracy"] for e in r["evaluations"]] for r in report["runs"]] == acc
+    # one definition: summary.json's final value is the report's
+    assert [s["final_heldout_accuracy"] for s in summaries] == pytest.approx([r["final"] for r in report["runs"]])
     masked = [statistics.fmean(h["masked_frac"] for h in hist if h["masked_frac"] is not None) for hist in histories]
     assert all(b > 0 for b in best), "the built-in model answers some held-out problems"
     assert row["final_mean"] == pytest.approx(statistics.fmean(final))

@@ -162,14 +162,19 @@ def _train_run(path: Path, last_k: int) -> Run:
     settings = {k: getattr(cfg, k, None) for k in SETTINGS}
     history = json.loads((path / "history.json").read_text())
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+    return _with_collapse_rule(train_run(path, settings, history, summary, last_k), {})
+
+
+def train_run(path: Path, settings: dict, history: list[dict], summary: dict, last_k: int = LAST_K) -> Run:
+    """A `m2po train` run from its record: the history plus summary.json's evaluations before
+    and after training (`m2po train` computes its summary's final value with this too)."""
     start = end = None
     if summary.get("start_heldout_accuracy") is not None:
         start = Evaluation(0, 0, summary["start_heldout_accuracy"])
     if summary.get("end_heldout_accuracy") is not None:
         end = Evaluation(summary.get("iterations") or 0, summary.get(POLICY_VERSION), summary["end_heldout_accuracy"])
-    run = Run(path, settings, history, "interrupted" if summary.get("interrupted") else "", start=start, end=end,
-              last_k=last_k)
-    return _with_collapse_rule(run, {})
+    return Run(path, settings, history, "interrupted" if summary.get("interrupted") else "", start=start, end=end,
+               last_k=last_k)
 
 
 def _trial_results(path: Path) -> list[dict]:

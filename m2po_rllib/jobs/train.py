@@ -268,6 +268,7 @@ def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, re
         print(f"\ninterrupted: no checkpoint was saved in {run_dir}", file=sys.stderr)
 
     summary.update(_summary_fields(algo, history, seconds(), run_dir, interrupted=interrupted))
+    summary["final_heldout_accuracy"] = _final_heldout(algo.config, run_dir, history, summary)
     _write_json(summary_path, summary, indent=2)
     algo.stop()
     if tb is not None:
@@ -295,6 +296,14 @@ def _summary_fields(algo, history: list[dict], seconds: float, run_dir: Path, *,
     return fields
 
 
+def _final_heldout(cfg, run_dir: Path, history: list[dict], summary: dict) -> float | None:
+    """The run's final held-out accuracy as `m2po report` defines it: the mean of its last
+    `runs.LAST_K` evaluations (one definition for the summary and the report)."""
+    from m2po_rllib.jobs.runs import train_run
+
+    return train_run(run_dir, {"evaluation_interval": cfg.evaluation_interval}, history, summary).final
+
+
 def _write_json(path: Path, value, indent: int) -> None:
     """Whole or not at all: a crash mid-write leaves the previous file."""
     durable.write_json(path, value, indent=indent)
@@ -318,10 +327,13 @@ def _log_iteration(result: dict, it: int, history: list, tb, bar, last_eval, tim
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    from m2po_rllib.jobs.runs import LAST_K
+
     start, end = summary.get("start_heldout_accuracy"), summary.get("end_heldout_accuracy")
     rows = [
         ("held-out accuracy (start)", f"{start:.3f}" if start is not None else "-"),
         ("held-out accuracy (end)", f"{end:.3f}" if end is not None else "-"),
+        (f"held-out (mean of last {LAST_K})", f"{final:.3f}" if (final := summary.get("final_heldout_accuracy")) is not None else "-"),
         ("change (points)", f"{100 * (end - start):+.1f}" if start is not None and end is not None else "-"),
         ("iterations", str(summary.get("iterations"))),
         ("optimizer updates", str(summary.get(keys.POLICY_VERSION))),

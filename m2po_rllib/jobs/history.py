@@ -28,6 +28,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "logp_mismatch_kl": (keys.LOGP_MISMATCH_KL,),
     "correction_changed_frac": learner(keys.CORRECTION_CHANGED_FRAC),
     "masked_frac": learner(keys.MASKED_FRAC),
+    "tied_kept_frac": learner(keys.TIED_KEPT_FRAC),
     "m2_before": learner(keys.M2_BEFORE),
     "m2_after": learner(keys.M2_AFTER),
     "entropy_all": learner(keys.ENTROPY_ALL),
@@ -44,6 +45,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "tool_errors": runner(keys.EPISODE_TOOL_ERRORS),
     "episode_truncated": runner(keys.EPISODE_TRUNCATED),
     "env_tokens": runner(keys.EPISODE_ENV_TOKENS),
+    "dropped_chars": runner(keys.EPISODE_DROPPED_CHARS),
 }
 # One of these per clip loss (grpo, gspo, m2po_official).
 CLIPPED_FRAC = keys.CLIPPED_FRAC_PATHS

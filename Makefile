@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 SPACE  ?= tune/spaces/cpu.yaml
 ARGS   ?=
 
-.PHONY: setup train lab calibrate repro repro-powered repro-8token mismatch adaptive phase tool test test-fast bench clean
+.PHONY: docs setup train lab calibrate repro repro-powered repro-8token mismatch adaptive phase tool test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -90,3 +90,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The documentation site (mkdocs.yml over docs/) into runs/site; `make test` builds it strict.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict

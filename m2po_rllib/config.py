@@ -95,7 +95,7 @@ class M2POConfig(AlgorithmConfig):
         self.rollout_correction_low = None
         self.rollout_correction_high = None
         # Measure |engine log-prob - learner log-prob| every this many steps (0 = never), on
-        # one minibatch's worth of the round, on one learner (sync mode; see README).
+        # one minibatch's worth of the round, on one learner (sync mode; see docs/numerics.md).
         self.logp_mismatch_interval = 10
         # Asynchronous rollouts (async_rollouts.py): remote EnvRunners generate while the
         # learners train, and `max_staleness` bounds the age, in optimizer updates, of every
@@ -144,7 +144,7 @@ class M2POConfig(AlgorithmConfig):
         # every runner for it and wait behind its round in flight (IMPALA turns it off too).
         self._dont_auto_sync_env_runner_states = True
         # auto: vllm with a GPU, else the transformers engine (faster for tiny models
-        # on CPU; see README).
+        # on CPU; see docs/guide/gpus-and-clusters.md).
         self.rollout_engine = "auto"
         self.engine_kwargs = {}
         # How the learner's weights reach the runners' engines (sync/):

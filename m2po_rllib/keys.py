@@ -2,7 +2,7 @@
 algorithm) and the readers (`m2po train`'s history and progress line, the lab, the collapse
 stopper, `m2po report`) import them from here. No Ray, no torch.
 
-README "Metrics" says what each one means. Keys are namespaced as RLlib and CleanRL do
+docs/guide/metrics.md says what each one means. Keys are namespaced as RLlib and CleanRL do
 (`m2po/masked_frac`, `rollout/tokens_per_s`); a training result nests them: the runners'
 under `env_runners`, the learners' under `learners/default_policy`, the algorithm's at the
 top, held-out evaluation under `evaluation/env_runners`.

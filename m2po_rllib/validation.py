@@ -543,7 +543,7 @@ def notices(config) -> list[str]:
             f"the rollout engine computes in {engine_dtype} (engine_kwargs), the learner in {learner_dtype}: the "
             "behaviour log-probs are the engine's, so every importance ratio (and M2PO's second moment) carries "
             "the engine's numerical error; set recompute_behavior_logp=True, and a rollout_correction for the "
-            "sampling gap (README: Engine numerics)"
+            "sampling gap (docs/numerics.md)"
         )
     return out
 

@@ -12,7 +12,8 @@ from m2po_rllib import keys
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-METRICS = README[README.index("### Metrics"):README.index("### A reasoning-length task")]
+GUIDES = "\n".join(p.read_text() for p in sorted((REPO / "docs" / "guide").glob("*.md")))
+METRICS = (REPO / "docs" / "guide" / "metrics.md").read_text()
 # Result paths a README key may carry (keys.RUNNERS, keys.LEARNER, keys.EVALUATION).
 PATHS = tuple("/".join(p) + "/" for p in (keys.EVALUATION, keys.RUNNERS, keys.LEARNER))
 
@@ -24,8 +25,8 @@ def _python_blocks(text: str) -> list[str]:
 def test_the_readme_example_stops_an_algorithm_before_it_builds_another():
     """Rebinding `algo` without `algo.stop()` leaves the first algorithm's EnvRunners and
     engines running next to the second's."""
-    blocks = [b for b in _python_blocks(README) if "algo" in b]
-    assert blocks, "README has no Python example that builds an algorithm"
+    blocks = [b for b in _python_blocks(README + GUIDES) if "algo" in b]
+    assert blocks, "README and the guides have no Python example that builds an algorithm"
     for block in blocks:
         running = False
         for stmt in ast.parse(block).body:

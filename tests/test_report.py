@@ -246,15 +246,14 @@ def test_a_run_that_has_not_trained_yet_says_so(train_runs, tmp_path, capsys):
 
 
 def test_tensorboard_names_every_readme_metric_as_the_result_does(train_runs):
-    """`m2po train` writes each metric README's "Metrics" names, under its path in the
+    """`m2po train` writes each metric the metrics guide names, under its path in the
     result, by default (run.tensorboard: default)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(train_runs[0] / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    readme = (REPO / "README.md").read_text()
-    metrics = readme[readme.index("### Metrics"):readme.index("### Your own problems")]
+    metrics = (REPO / "docs" / "guide" / "metrics.md").read_text()
     documented = {"heldout_accuracy", "policy_version", "staleness/mean", "staleness/max", "staleness/queue_len",
                   "staleness/filling", "rollout/logp_mismatch_max", "learners/default_policy/policy/grad_norm",
                   "learners/default_policy/policy/micro_batches", "learners/default_policy/staleness/trained_max",

@@ -105,7 +105,7 @@ def history_record(result: dict, iteration: int, time_s: float) -> dict[str, Any
     return record
 
 
-# What TensorBoard gets by default, named as the result names it (README "Metrics"): the
+# What TensorBoard gets by default, named as the result names it (docs/guide/metrics.md): the
 # algorithm's keys (native weight sync's `weights/native_*` among them), the learners'
 # (learners/default_policy/...), the runners' rollout and verifier keys, held-out
 # evaluation, RLlib's timers (`run.tensorboard: all` writes every number of the result).

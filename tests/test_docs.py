@@ -1,0 +1,39 @@
+"""The documentation: README stays the front door (short, its links resolve), and the site
+(mkdocs.yml over docs/) builds with warnings as errors: a page left out of the nav, a broken
+link or a missing image fails here, not on a reader."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_site_builds_strict(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "guide" / "settings" / "index.html").is_file()
+    assert (tmp_path / "site" / "results" / "index.html").is_file()
+
+
+def test_every_page_under_docs_is_in_the_nav():
+    nav = (REPO / "mkdocs.yml").read_text()
+    pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
+    missing = sorted(p for p in pages if p not in nav)
+    assert not missing, f"pages no reader can reach from the site's nav: {missing}"
+
+
+def test_readme_is_a_front_door_whose_links_resolve():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "README holds what it is, the quick start, one example, the headline; the rest goes to docs/"
+    assert "RESULTS_PLACEHOLDER" not in readme
+    links = [target for target in re.findall(r"\]\(([^)#\s]+)", readme) if "://" not in target]
+    assert links, "README links to its documentation"
+    broken = [target for target in links if not (REPO / target).exists()]
+    assert not broken, f"README links to files that do not exist: {broken}"

@@ -15,31 +15,7 @@ import pytest
 import torch
 
 from m2po_rllib.sync.sender import RunnerGroupClient, StateDictSource
-from m2po_rllib.sync.transports import BroadcastWeights, select_transport
-
-
-@pytest.mark.parametrize(
-    "vllm_gpu, trainer_gpu, shared, expected",
-    [
-        (True, True, False, "nccl"),
-        (True, True, True, "object_store"),  # NCCL refuses two ranks on one GPU
-        (True, False, False, "object_store"),
-        (False, True, False, "object_store"),
-        (False, False, False, "object_store"),
-    ],
-)
-def test_auto_picks_nccl_only_between_separate_gpus(vllm_gpu, trainer_gpu, shared, expected):
-    assert select_transport("auto", vllm_on_gpu=vllm_gpu, trainer_on_gpu=trainer_gpu, shared_gpu=shared) == expected
-    assert select_transport("object_store", vllm_on_gpu=vllm_gpu, trainer_on_gpu=trainer_gpu) == "object_store"
-
-
-def test_explicit_nccl_without_gpus_or_on_a_shared_gpu_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"CUDA on both sides \(vLLM on GPU: False, learner on GPU: True\)"):
-        select_transport("nccl", vllm_on_gpu=False, trainer_on_gpu=True)
-    with pytest.raises(ValueError, match="share a GPU"):
-        select_transport("nccl", vllm_on_gpu=True, trainer_on_gpu=True, shared_gpu=True)
-    with pytest.raises(ValueError, match="'ipc' is not one of"):
-        select_transport("ipc", vllm_on_gpu=True, trainer_on_gpu=True)
+from m2po_rllib.sync.transports import BroadcastWeights
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +151,6 @@ def test_native_transport_names_its_vllm_backend_and_refuses_others():
     with pytest.raises(ValueError, match="timeout_s is a setting of the gloo backend"):
         NativeWeightSender(RunnerGroupClient([object()]), dict, torch.float32, master_address="h", master_port=1,
                            backend="nccl", timeout_s=5)
-    assert select_transport("gloo", vllm_on_gpu=False, trainer_on_gpu=False) == "gloo"
 
 
 def test_a_runner_serving_another_layout_is_refused_before_the_group_opens(tmp_path, tied_model):

@@ -10,9 +10,9 @@ tensors goes the object-store path (`ObjectStoreTransport`: safetensors chunks o
 `sync_chunk_bytes` through `collective_rpc`); a `BroadcastWeights` notice goes vLLM's native
 weight-transfer path (`NativeTransport`, after `join_weight_group`: "nccl" on CUDA, "gloo"
 anywhere), set up at start only when asked for (`weight_transport` "nccl", "gloo", or "auto"
-on CUDA). Training does not use it yet: no learner-side sender is wired into `M2PO`, so the
-default is "object_store"; `bench/gpu_vllm_check.py` (the GPU check) and the CPU protocol
-tests turn it on. The prefix cache is reset after either, since its KV entries were
+on CUDA). Training turns it on with `env_runners(weight_sync="native")`: the learners' sender
+(`sync/sender.py`) broadcasts after each update; the engine's own default is "object_store".
+The prefix cache is reset after either, since its KV entries were
 computed by the old weights; versions stay with `GenerationEngine`.
 
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core

@@ -16,8 +16,7 @@
   (`gloo.py`: the same protocol over a gloo group, registered with vLLM as
   "m2po_gloo"; any machine, and how the protocol is tested on CPU).
 
-`select_transport` picks one ("auto": nccl when both sides are on CUDA and on different
-GPUs, else object_store). Versions stay with `GenerationEngine.update_weights`; a collective
+Which one a run uses is the config's (`M2POConfig.resolved_weight_sync_backend`). Versions stay with `GenerationEngine.update_weights`; a collective
 cannot skip a rank, so the sender only ever broadcasts a version newer than any before (see
 `NativeWeightSender`).
 """
@@ -35,24 +34,6 @@ import torch
 DEFAULT_SYNC_CHUNK_BYTES = 256 * 2**20
 TRANSPORTS = ("auto", "object_store", "nccl", "gloo")
 NATIVE_BACKENDS = {"nccl": "nccl", "gloo": "m2po_gloo"}  # transport -> vLLM's weight_transfer_config backend
-
-
-def select_transport(requested: str, *, vllm_on_gpu: bool, trainer_on_gpu: bool, shared_gpu: bool = False) -> str:
-    """The transport a weight sync uses: "object_store", "nccl" or "gloo" (vLLM's native API
-    over gloo: any machine; on GPUs it moves every tensor through host memory)."""
-    if requested not in TRANSPORTS:
-        raise ValueError(f"weight transport {requested!r} is not one of {TRANSPORTS}")
-    nccl_ok = vllm_on_gpu and trainer_on_gpu and not shared_gpu
-    if requested == "nccl" and not nccl_ok:
-        why = (
-            "the learner and vLLM share a GPU (NCCL refuses two ranks on one device)"
-            if shared_gpu
-            else f"it needs CUDA on both sides (vLLM on GPU: {vllm_on_gpu}, learner on GPU: {trainer_on_gpu})"
-        )
-        raise ValueError(f"weight transport 'nccl' cannot be used: {why}; use 'object_store', 'gloo' or 'auto'")
-    if requested == "auto":
-        return "nccl" if nccl_ok else "object_store"
-    return requested
 
 
 class VLLMWorkers(Protocol):

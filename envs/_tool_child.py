@@ -6,7 +6,7 @@ mode comparisons, boolean logic, conditional expressions, tuples / lists and a f
 builtins (abs, min, max, round, sum, len, int, float). Nothing else parses: no names, no
 attributes, no subscripts, no comprehensions, no lambdas, so no import, file or object is
 reachable. Sizes are bounded before they are computed (digits of a product or a power).
-It imports nothing from `envs`; the parent adds the time limit (it kills a child that does
+It imports nothing from the `envs` package (only `_sandbox_child.py` beside it); the parent adds the time limit (it kills a child that does
 not answer), this process its own address-space, file-size and CPU limits.
 
 Protocol, one JSON object per line: the parent writes {"tool": "calculator" | "python",
@@ -258,22 +258,12 @@ def _serve(proto) -> None:
 
 
 def main() -> None:
-    import resource
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _sandbox_child import confine  # beside this script; confine() takes its folder off sys.path again
 
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)
     memory_limit_mb, cpu_limit_s = int(sys.argv[1]), int(sys.argv[2])
     sys.set_int_max_str_digits(0)  # numbers are bounded by MAX_BITS (~6000 digits) before they exist
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit_s, cpu_limit_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no file is written
-    if memory_limit_mb > 0:
-        limit = memory_limit_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    proto = os.fdopen(os.dup(1), "w")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    sys.stdout = open(os.devnull, "w")
+    proto = confine(__file__, cpu_limit_s=cpu_limit_s, memory_limit_mb=memory_limit_mb, no_files=True)
     _serve(proto)
 
 

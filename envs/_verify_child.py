@@ -82,23 +82,11 @@ def _serve(proto, timeout_s: int) -> None:
 
 
 def main() -> None:
-    import resource
-
-    # Run as a script, this file's folder (envs/) heads sys.path; its modules (datasets.py,
-    # tasks.py) must not shadow the libraries of the same names.
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _sandbox_child import confine  # beside this script; confine() takes its folder off sys.path again
 
     timeout_s, memory_limit_mb = int(sys.argv[1]), int(sys.argv[2])
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (_CPU_LIMIT_S, _CPU_LIMIT_S))
-    if memory_limit_mb > 0:
-        limit = memory_limit_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    proto = os.fdopen(os.dup(1), "w")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    sys.stdout = open(os.devnull, "w")
+    proto = confine(__file__, cpu_limit_s=_CPU_LIMIT_S, memory_limit_mb=memory_limit_mb)
     try:
         _serve(proto, timeout_s)
     except ImportError as e:

@@ -46,21 +46,18 @@ from ray.rllib.utils.metrics import (
 import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib import checkpoints, keys
 from m2po_rllib.config import M2POConfig
-from m2po_rllib.learner_calls import on_learners, ready_update_results, runner_actors
+from m2po_rllib.learners import LearnerRoom, UpdateReport, on_learners, wait_until
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.losses.correction import mismatch_metrics
 from m2po_rllib.resources import WaitingNotice, check_actors_fit, requested
-from m2po_rllib.rollout.sampler import RolloutSampler
+from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch
-from m2po_rllib.wire.weights import PublishedWeights
 
 quiet_gputil_hint_without_gpus()
 quiet_rllib_new_api_stack_notice()
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.002  # async: between polls of the requests in flight when nothing is ready
 
 
 def local_path(path):
@@ -117,14 +114,10 @@ class M2PO(Algorithm):
         self._heldout_accuracy: float | None = None
         with self._actors_placed(config):
             super().setup(config)
-        # The newest weights the learners published; the policy version is theirs (the
-        # learner owns it), as their results last reported it.
-        self._weights = self.learner_weights()
-        self._learner_version = self._weights.version
-        self._pending_results = 0  # learner results still to come: one per learner per update
-        self._sampler = RolloutSampler(config, self.env_runner_group, self._restore_runners, self._weights.version)
+        # The learners' side (learners.py) and the runners' (rollout/sampler.py), one room each.
+        self._learners = LearnerRoom(self.learner_group, config)
+        self._sampler = RolloutSampler(config, self.env_runner_group, self._restore_runners, self._learners.version)
         self._iter = _IterationPace()
-        self._reconnect_weight_sync = False  # native: a send failed, the group is formed again before the next step
         if config.native_weight_sync:
             self._connect_weight_sync()
 
@@ -149,18 +142,11 @@ class M2PO(Algorithm):
         """Forms the learners' weight-transfer group with every healthy training runner and
         sends them the current weights (at the start, and after runners were restored or a
         send failed). Updates in flight finish first: their broadcasts use the old group."""
-        self._wait_for_updates()
+        self._learners.wait_idle(self._absorb)
         handles = runner_actors(self.env_runner_group)
-        tp = int((self.config.engine_kwargs or {}).get("tensor_parallel_size", 1))
-        stats = on_learners(
-            self.learner_group, lambda learner, h=handles: learner.connect_weight_sync(h, [tp] * len(h)),
-            first_only=not self.config.sharded_learners,
-        )[0]
+        stats = self._learners.connect_weight_sync(handles)
         self._log_native_sync(stats)
         version = int(stats[keys.NATIVE_SYNC_VERSION])
-        self._reconnect_weight_sync = version < 0
-        if version >= 0:
-            self._weights = PublishedWeights.broadcast(version)
         logger.info("native weight sync: group formed with %d runners (%s)", len(handles),
                     f"version {version} sent" if version >= 0 else "the first send failed")
 
@@ -174,18 +160,10 @@ class M2PO(Algorithm):
         if restored and self.config.native_weight_sync:
             self._connect_weight_sync()
 
-    def _wait_for_updates(self) -> None:
-        deadline = time.monotonic() + self.config.sample_timeout_s
-        while self._updates_in_flight and time.monotonic() < deadline:
-            if not self._take_update_results(ready_update_results(self.learner_group)):
-                time.sleep(POLL_S)
-        if self._updates_in_flight:
-            raise RuntimeError(f"{self._updates_in_flight} updates still in flight after {self.config.sample_timeout_s} s")
-
     @property
     def policy_version(self) -> int:
         """Optimizer updates of the learners' weights, as they last reported it."""
-        return self._learner_version
+        return self._learners.version
 
     @property
     def sampler(self) -> RolloutSampler:
@@ -196,10 +174,6 @@ class M2PO(Algorithm):
         """Sync mode: the sampled rounds waiting to be trained, oldest first."""
         return list(self._sampler.queue)
 
-    @property
-    def _updates_in_flight(self) -> int:
-        return -(-self._pending_results // max(1, self.config.num_learners))
-
     # -- one iteration ------------------------------------------------------------------
     @override(Algorithm)
     def step(self):
@@ -209,7 +183,7 @@ class M2PO(Algorithm):
         result = super().step()
         if self.config.evaluation_interval:
             result[keys.HELDOUT_ACCURACY] = self._heldout_accuracy
-        result[keys.POLICY_VERSION] = self._learner_version
+        result[keys.POLICY_VERSION] = self._learners.version
         result.update(self._iter.metrics(max(1, self.env_runner_group.num_remote_env_runners())))
         return result
 
@@ -219,9 +193,9 @@ class M2PO(Algorithm):
 
     @override(Algorithm)
     def training_step(self) -> None:
-        if self._reconnect_weight_sync:  # a native send failed: runners restored, group formed again
+        if self._learners.needs_reconnect:  # a native send failed: runners restored, group formed again
             self._restore_runners()
-            if self._reconnect_weight_sync:
+            if self._learners.needs_reconnect:
                 self._connect_weight_sync()
         batch = self._next_async_step() if self.config.async_rollouts else self._next_sync_step()
         for key, value in self._sampler.metrics().items():
@@ -231,14 +205,14 @@ class M2PO(Algorithm):
         with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
             results = self._update(batch)
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self._take_update_results(results)
-            self._sampler.request(self._weights)  # async: the new weights go out at once
+            self._absorb(self._learners.take(results))
+            self._sampler.request(self._learners.weights)  # async: the new weights go out at once
 
     # -- beats 1-2, synchronous: sample -> check the log-probs -> queue ----------------------
     def _next_sync_step(self) -> dict | None:
         cfg: M2POConfig = self.config
         with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-            rollout, runner_metrics, busy_s = self._sampler.sample(self._weights)
+            rollout, runner_metrics, busy_s = self._sampler.sample(self._learners.weights)
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
         self._iter.runner_busy_s += busy_s
         with self.metrics.log_time((TIMERS, keys.LOGP_MISMATCH_TIMER)):
@@ -258,32 +232,31 @@ class M2PO(Algorithm):
 
     # -- beat 1, asynchronous: collect and request rounds until the next step is in -------
     def _next_async_step(self) -> dict:
-        cfg = self.config
+        """Collects rounds and requests new ones (with the newest weights) until a step is
+        admitted; with remote learners, at most 2 updates in flight. Timed once, as a wait."""
         remote_learners = self.learner_group.is_remote
         max_updates_in_flight = 2 if remote_learners else 1
-        deadline = time.monotonic() + cfg.sample_timeout_s
-        while True:
-            with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-                progressed = self._collect_rounds()
-                self._sampler.request(self._weights)
-            if remote_learners and self._updates_in_flight:
-                progressed |= self._take_update_results(ready_update_results(self.learner_group))
-            if self._updates_in_flight < max_updates_in_flight:
+        step: list[dict] = []
+
+        def progress() -> bool:
+            progressed = self._collect_rounds()
+            self._sampler.request(self._learners.weights)
+            if remote_learners:
+                progressed |= self._absorb(self._learners.poll())
+            if self._learners.in_flight < max_updates_in_flight:
                 batch, dropped = self._sampler.pop_step()
                 if batch is not None:
-                    return batch
+                    step.append(batch)
                 progressed |= dropped  # rounds over the bound were dropped and re-requested
-            if progressed:
-                deadline = time.monotonic() + cfg.sample_timeout_s
-            elif time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"async rollouts made no progress for {cfg.sample_timeout_s} s (rounds in flight: "
-                    f"{self._sampler.num_in_flight()}, healthy runners: {self.env_runner_group.healthy_env_runner_ids()}, "
-                    f"updates in flight: {self._updates_in_flight}); see the runners' logs, or raise "
-                    "`sample_timeout_s` if one round takes longer"
-                )
-            else:
-                time.sleep(POLL_S)
+            return progressed
+
+        with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
+            wait_until(lambda: bool(step), progress, self.config.sample_timeout_s, lambda: (
+                f"async rollouts made no progress (rounds in flight: {self._sampler.num_in_flight()}, healthy "
+                f"runners: {self.env_runner_group.healthy_env_runner_ids()}, updates in flight: "
+                f"{self._learners.in_flight}); see the runners' logs, or raise `sample_timeout_s` if one round "
+                "takes longer"))
+        return step[0]
 
     def _collect_rounds(self) -> bool:
         progressed, runner_metrics, busy_s = self._sampler.collect()
@@ -296,17 +269,14 @@ class M2PO(Algorithm):
         """Waits for every round and update in flight, so that a checkpoint loses nothing."""
         if not self.config.async_rollouts:
             return
-        deadline = time.monotonic() + self.config.sample_timeout_s
-        while (self._sampler.num_in_flight() or self._updates_in_flight) and time.monotonic() < deadline:
-            self._collect_rounds()
-            if self._updates_in_flight:
-                self._take_update_results(ready_update_results(self.learner_group))
-            time.sleep(POLL_S)
-        if self._sampler.num_in_flight() or self._updates_in_flight:
-            raise RuntimeError(
-                f"checkpoint: {self._sampler.num_in_flight()} rounds and {self._updates_in_flight} updates "
-                f"still in flight after {self.config.sample_timeout_s} s"
-            )
+
+        def progress() -> bool:
+            return self._collect_rounds() | self._absorb(self._learners.poll())
+
+        wait_until(lambda: not (self._sampler.num_in_flight() or self._learners.in_flight), progress,
+                   self.config.sample_timeout_s, lambda: (
+                       f"checkpoint: {self._sampler.num_in_flight()} rounds and {self._learners.in_flight} updates "
+                       "still in flight"))
 
     # -- beats 3-4: update, publish --------------------------------------------------------
     def _update(self, rollout: dict) -> list[dict]:
@@ -326,58 +296,34 @@ class M2PO(Algorithm):
         train = to_train_batch(rollout, advantages.numpy())
         minibatch = cfg.minibatch_prompts * cfg.group_size
         train = take_rows(train, learner_order(num_rows(train), minibatch, max(1, cfg.num_learners)))
-        self._pending_results += max(1, cfg.num_learners)
-        steps_since_broadcast = (self._sampler.dispatched_version - self._weights.version) // cfg.updates_per_step
         t0 = time.perf_counter()
-        results = self.learner_group.update(
-            batch=MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(train)}, env_steps=num_rows(train)),
-            minibatch_size=cfg.minibatch_size_per_learner,
-            num_epochs=cfg.num_epochs,
-            shuffle_batch_per_epoch=False,
-            async_update=async_update,
-            return_state=steps_since_broadcast >= cfg.broadcast_interval,
-            timesteps={
-                NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                    (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
-                )
-            },
+        results = self._learners.update(
+            MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(train)}, env_steps=num_rows(train)),
+            dispatched_version=self._sampler.dispatched_version, async_update=async_update,
+            env_steps_lifetime=self.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0),
         )
         if not async_update:
             tokens = float(train["response_mask"].sum()) * cfg.num_epochs
             self.metrics.log_value(keys.TOKENS_TRAINED_PER_S, tokens / (time.perf_counter() - t0), window=1)
         return results
 
-    def _take_update_results(self, results: list[dict]) -> bool:
-        """Learner results: their metrics, the policy version they report, the weights the
-        first learner returned (the next requests carry them), how long they were busy, and
-        the trained tokens' M2 by age (the staleness bound follows it with "auto")."""
-        if not results:
+    def _absorb(self, report: UpdateReport | None) -> bool:
+        """An update report into the iteration: the learners' metrics, native sends, their
+        busy time and updates, and the trained tokens' M2 by age (the staleness bound
+        follows it with "auto"). False when there was none."""
+        if report is None:
             return False
-        learners = max(1, self.config.num_learners)
-        m2_by_age: dict[int, list[float]] = {}  # the learners' shares, added up
-        for result in results:
-            weights = result.pop(keys.WEIGHTS_KEY, None)
-            self._reconnect_weight_sync |= bool(result.pop(keys.WEIGHT_SYNC_RECONNECT_KEY, False))
-            self._log_native_sync(result.pop(keys.NATIVE_SYNC_KEY, None))
-            self._learner_version = max(self._learner_version, result.pop(keys.VERSION_KEY))
-            self._iter.learner_busy_s += result.pop(keys.UPDATE_SECONDS_KEY) / learners
-            for age, (sum_sq, tokens) in result.pop(keys.M2_BY_AGE_KEY, {}).items():
-                acc = m2_by_age.setdefault(age, [0.0, 0.0])
-                acc[0] += sum_sq
-                acc[1] += tokens
-            if weights is not None and weights.version > self._weights.version:
-                self._weights = weights
-        self._sampler.observe_m2({a: tuple(v) for a, v in m2_by_age.items()}, self._learner_version)
-        self._pending_results -= len(results)
-        self._iter.updates += len(results) / learners * self.config.updates_per_step
-        self.metrics.aggregate(results, key=LEARNER_RESULTS)
+        for stats in report.native_stats:
+            self._log_native_sync(stats)
+        self._iter.learner_busy_s += report.busy_s
+        self._iter.updates += report.updates
+        self._sampler.observe_m2(report.m2_by_age, self._learners.version)
+        self.metrics.aggregate(report.results, key=LEARNER_RESULTS)
         return True
 
-    def learner_weights(self) -> PublishedWeights:
-        """The first learner's current weights, published through the object store (sharded
-        with a native sync: every learner gathers them, the whole copy is made on demand)."""
-        every = self.config.sharded_learners and self.config.native_weight_sync
-        return on_learners(self.learner_group, lambda learner: learner.publish_weights(), first_only=not every)[0]
+    def learner_weights(self):
+        """The learners' current weights, published now (`LearnerRoom.publish`)."""
+        return self._learners.publish()
 
     # -- beat 2: log-probs, the engine's against the learner's --------------------------------
     def _log_logp_mismatch(self, rollout: dict) -> None:
@@ -446,12 +392,11 @@ class M2PO(Algorithm):
     @override(Algorithm)
     def set_state(self, state) -> None:
         super().set_state(state)
-        self._weights = self.learner_weights()
-        self._learner_version = self._weights.version
+        self._learners.restored()
         if self.config.native_weight_sync:
             self._connect_weight_sync()  # the restored weights, to every runner
         if "m2po" in state:
-            self._sampler.set_state(state["m2po"]["sampler"], self._learner_version)
+            self._sampler.set_state(state["m2po"]["sampler"], self._learners.version)
             self._heldout_accuracy = state["m2po"]["heldout_accuracy"]
 
 

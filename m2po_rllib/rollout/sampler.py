@@ -49,6 +49,14 @@ RETRY_S = 1.0  # sync: between attempts to restore runners that returned nothing
 Rollout = dict[str, np.ndarray]
 
 
+
+def runner_actors(runner_group) -> list:
+    """The healthy remote EnvRunners' actor handles, in runner order (a native weight sync's
+    targets). Ray 2.60's EnvRunnerGroup exposes them only through its private manager."""
+    manager = runner_group._worker_manager
+    actors = manager.actors()
+    return [actors[i] for i in sorted(manager.healthy_actor_ids())]
+
 class RolloutSampler:
     def __init__(self, config, runners, restore: Callable[[], None], start_version: int):
         """`runners`: the algorithm's EnvRunnerGroup; `restore()` brings failed runners back

@@ -19,7 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from m2po_rllib import keys
+from m2po_rllib.wire.batch import num_rows, take_rows, to_train_batch
 from m2po_rllib.wire.weights import PublishedWeights
 
 POLL_S = 0.002  # between polls when nothing is ready
@@ -161,3 +164,25 @@ class LearnerRoom:
 
         wait_until(lambda: not self.in_flight, step, self.config.sample_timeout_s,
                    lambda: f"{self.in_flight} updates still in flight")
+
+    # -- log-probs outside training -------------------------------------------------------
+    def logp_mismatch(self, rollout: dict) -> dict[str, float]:
+        """The engine's log-probs against the learner's on the weights that generated the
+        round (sync mode), for the first minibatch's worth of rows, on one learner (with
+        sharded weights every learner runs the forward, a collective, and the first answers)."""
+        rows = min(self.config.minibatch_prompts * self.config.group_size, num_rows(rollout))
+        train = to_train_batch(take_rows(rollout, np.arange(rows)), np.zeros(rows, np.float32))
+        return on_learners(
+            self.group, lambda learner: learner.logp_mismatch(train), first_only=not self.config.sharded_learners
+        )[0]
+
+    def response_logp(self, rollout: dict) -> np.ndarray:
+        """The learners' log-probs of a round's response tokens, (rows, response_len),
+        computed by all learners together (each its share of the rows)."""
+        import ray
+
+        train_ref = ray.put(to_train_batch(rollout, np.zeros(num_rows(rollout), np.float32)))
+        shares = on_learners(
+            self.group, lambda learner, ref=train_ref: learner.response_logp_share(ray.get(ref)), first_only=False
+        )
+        return np.concatenate([logp for _, logp in sorted(shares, key=lambda r: r[0])])

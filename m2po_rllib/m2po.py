@@ -46,7 +46,7 @@ from ray.rllib.utils.metrics import (
 import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib import checkpoints, keys
 from m2po_rllib.config import M2POConfig
-from m2po_rllib.learners import LearnerRoom, UpdateReport, on_learners, wait_until
+from m2po_rllib.learners import LearnerRoom, UpdateReport, wait_until
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.losses.correction import mismatch_metrics
@@ -327,28 +327,15 @@ class M2PO(Algorithm):
 
     # -- beat 2: log-probs, the engine's against the learner's --------------------------------
     def _log_logp_mismatch(self, rollout: dict) -> None:
-        """On one learner, whose weights generated the round (sync mode), for the first
-        minibatch's worth of rows (with sharded weights every learner runs the forward, a
-        collective, and the first one answers)."""
-        rows = slice(0, min(self.config.minibatch_prompts * self.config.group_size, num_rows(rollout)))
-        train = to_train_batch(take_rows(rollout, np.arange(num_rows(rollout))[rows]), np.zeros(rows.stop, np.float32))
-        stats = on_learners(
-            self.learner_group, lambda learner: learner.logp_mismatch(train), first_only=not self.config.sharded_learners
-        )[0]
-        for key, value in stats.items():
+        for key, value in self._learners.logp_mismatch(rollout).items():
             self.metrics.log_value(key, value, window=1)
 
     def _recompute_behavior_logp(self, rollout: dict) -> None:
-        """The official code's choice: behaviour log-probs from the learner (sync mode, whose
-        weights generated the round), computed by the learners together."""
-        train_ref = ray.put(to_train_batch(rollout, np.zeros(num_rows(rollout), np.float32)))
-        shares = on_learners(
-            self.learner_group, lambda learner, ref=train_ref: learner.response_logp_share(ray.get(ref)), first_only=False
-        )
-        learner_logp = np.concatenate([logp for _, logp in sorted(shares, key=lambda r: r[0])])
+        """The official code's choice: behaviour log-probs from the learners (sync mode, whose
+        weights generated the round); the engine's are kept as `engine_logp`."""
         mask = rollout["response_mask"] > 0
         rollout["engine_logp"] = rollout["behavior_logp"]
-        rollout["behavior_logp"] = np.where(mask, learner_logp, 0.0).astype(np.float32)
+        rollout["behavior_logp"] = np.where(mask, self._learners.response_logp(rollout), 0.0).astype(np.float32)
         self._log_mismatch(rollout)
 
     def _log_mismatch(self, rollout: dict) -> None:

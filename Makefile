@@ -35,10 +35,12 @@ calibrate: setup
 repro: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini.yaml --out runs/repro/paper-mini $(ARGS)
 
-# The same comparison with enough seeds to resolve +-2 points (tune/spaces/paper_mini_powered.yaml
-# says how long it takes; run it in pieces here, or on a cluster with `ray job submit`).
+# The same comparison with enough seeds to resolve +-2 points: seeds 3-9 (~65 min here;
+# tune/spaces/paper_mini_powered.yaml says how to run it in pieces, or on a cluster with
+# `ray job submit`), reported with `make repro`'s seeds 0-2 in runs/repro/powered-report.
 repro-powered: setup
-	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_powered.yaml --out runs/repro/paper-mini-powered $(ARGS)
+	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini_powered.yaml --out runs/repro/paper-mini-powered --no-report $(ARGS)
+	$(VENV)/bin/m2po report $(wildcard runs/repro/paper-mini) runs/repro/paper-mini-powered --out runs/repro/powered-report
 
 # The first cycle's miniature (3-digit answers of 8 tokens, lr 3e-5: outside the paper's
 # regime, M2 3-9x tau), kept for its history: docs/history/repro-8token.

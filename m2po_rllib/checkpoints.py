@@ -143,3 +143,21 @@ def resolve(path: str | os.PathLike) -> str:
             "(a save was interrupted)", path, why, found, iteration,
         )
     return str(found)
+
+
+# -- paths at the API's edge (M2PO.save_to_path / restore_from_path / from_checkpoint) --
+def local_path(path):
+    """A local checkpoint path (relative, or with ~) made absolute; a URI (`s3://...`),
+    None or a pyarrow path as given. RLlib's checkpoints read a relative path as a URI
+    without a scheme ("URI has empty scheme")."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def restorable(path):
+    """A local path's newest complete checkpoint (`resolve`); a URI as given."""
+    path = local_path(path)
+    return resolve(path) if isinstance(path, str) and "://" not in path else path

@@ -20,13 +20,10 @@ runners) and ride with the next request to each runner, which loads them between
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 
 import numpy as np
-import ray
 import torch
 
 from ray.rllib.algorithms.algorithm import Algorithm
@@ -47,10 +44,11 @@ import envs  # noqa: F401  (registers the m2po/* env ids)
 from m2po_rllib import checkpoints, keys
 from m2po_rllib.config import M2POConfig
 from m2po_rllib.learners import LearnerRoom, UpdateReport, wait_until
+from m2po_rllib.pace import IterationPace
 from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.losses.correction import mismatch_metrics
-from m2po_rllib.resources import WaitingNotice, check_actors_fit, requested
+from m2po_rllib.resources import actors_placed
 from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch
@@ -58,42 +56,6 @@ from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_b
 quiet_gputil_hint_without_gpus()
 quiet_rllib_new_api_stack_notice()
 logger = logging.getLogger(__name__)
-
-
-def local_path(path):
-    """A local checkpoint path (relative, or with ~) made absolute; a URI (`s3://...`),
-    None or a pyarrow path as given. RLlib's checkpoints read a relative path as a URI
-    without a scheme ("URI has empty scheme")."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def _restorable(path):
-    """A local path's newest complete checkpoint (checkpoints.resolve); a URI as given."""
-    path = local_path(path)
-    return checkpoints.resolve(path) if isinstance(path, str) and "://" not in path else path
-
-
-class _IterationPace:
-    """What one iteration did, for the pace metrics: updates completed, and the seconds the
-    learners and the runners were busy."""
-
-    def __init__(self):
-        self.since = time.perf_counter()
-        self.updates = 0.0
-        self.learner_busy_s = 0.0
-        self.runner_busy_s = 0.0
-
-    def metrics(self, num_runners: int) -> dict[str, float]:
-        elapsed = max(time.perf_counter() - self.since, 1e-9)
-        return {
-            keys.UPDATES_PER_S: self.updates / elapsed,
-            keys.LEARNER_IDLE_FRAC: max(0.0, 1 - self.learner_busy_s / elapsed),
-            keys.RUNNER_IDLE_FRAC: max(0.0, 1 - self.runner_busy_s / (elapsed * num_runners)),
-        }
 
 
 class M2PO(Algorithm):
@@ -112,30 +74,14 @@ class M2PO(Algorithm):
     def setup(self, config) -> None:
         use_cpus(config.num_cpus_for_main_process)  # this process computes with its own CPUs
         self._heldout_accuracy: float | None = None
-        with self._actors_placed(config):
+        with actors_placed(config, self.default_resource_request(config).bundles):
             super().setup(config)
         # The learners' side (learners.py) and the runners' (rollout/sampler.py), one room each.
         self._learners = LearnerRoom(self.learner_group, config)
         self._sampler = RolloutSampler(config, self.env_runner_group, self._restore_runners, self._learners.version)
-        self._iter = _IterationPace()
+        self._iter = IterationPace()
         if config.native_weight_sync:
             self._connect_weight_sync()
-
-    @contextlib.contextmanager
-    def _actors_placed(self, config):
-        """Fails at once if the actors can never fit this local Ray; on a cluster this
-        process joined, says every 30 s what they wait for (resources.py)."""
-        need = requested(self.default_resource_request(config).bundles)
-        if not any(need.values()) or ray.util.get_current_placement_group() is not None:
-            yield  # no actors, or a Tune trial whose placement group holds them
-            return
-        if not ray.is_initialized():
-            ray.init()  # what Ray does on the first actor anyway; the check needs the cluster
-        local = bool(getattr(ray._private.worker._global_node, "head", False))  # started by this process
-        check_actors_fit(config, self.default_resource_request(config).bundles, cluster=ray.cluster_resources(),
-                         local=local)
-        with WaitingNotice(need, ray.available_resources):
-            yield
 
     # -- native weight sync (weight_sync="native") ------------------------------------------
     def _connect_weight_sync(self) -> None:
@@ -179,7 +125,7 @@ class M2PO(Algorithm):
     def step(self):
         if self.config.evaluation_interval and self._heldout_accuracy is None:
             self.evaluate()  # the starting point: from iteration 1 on, every result has one
-        self._iter = _IterationPace()
+        self._iter = IterationPace()
         result = super().step()
         if self.config.evaluation_interval:
             result[keys.HELDOUT_ACCURACY] = self._heldout_accuracy
@@ -351,7 +297,7 @@ class M2PO(Algorithm):
     # the newest complete one (checkpoints.py): a kill mid-save loses nothing saved before.
     @override(Algorithm)
     def save_to_path(self, path=None, *args, **kwargs) -> str:
-        path = local_path(path)
+        path = checkpoints.local_path(path)
         if path is None or "://" in str(path):
             return super().save_to_path(path, *args, **kwargs)
         write = lambda directory: super(M2PO, self).save_to_path(directory, *args, **kwargs)  # noqa: E731
@@ -359,12 +305,12 @@ class M2PO(Algorithm):
 
     @override(Algorithm)
     def restore_from_path(self, path, *args, **kwargs):
-        return super().restore_from_path(_restorable(path), *args, **kwargs)
+        return super().restore_from_path(checkpoints.restorable(path), *args, **kwargs)
 
     @classmethod
     @override(Algorithm)
     def from_checkpoint(cls, path, *args, **kwargs):
-        return super().from_checkpoint(_restorable(path), *args, **kwargs)
+        return super().from_checkpoint(checkpoints.restorable(path), *args, **kwargs)
 
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):

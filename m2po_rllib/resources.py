@@ -14,9 +14,12 @@ Inside a Tune trial the trial's placement group already holds the resources: no 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable
+
+import ray
 
 from m2po_rllib.errors import ConfigError
 
@@ -106,3 +109,20 @@ class WaitingNotice:
     def __exit__(self, *exc):
         self._done.set()
         self._thread.join(timeout=1.0)
+
+
+@contextlib.contextmanager
+def actors_placed(config, bundles: list[dict]):
+    """Around the creation of the actors that `bundles` (`default_resource_request`) ask for:
+    fails at once if they can never fit this local Ray; on a cluster this process joined,
+    says every 30 s what they wait for."""
+    need = requested(bundles)
+    if not any(need.values()) or ray.util.get_current_placement_group() is not None:
+        yield  # no actors, or a Tune trial whose placement group holds them
+        return
+    if not ray.is_initialized():
+        ray.init()  # what Ray does on the first actor anyway; the check needs the cluster
+    local = bool(getattr(ray._private.worker._global_node, "head", False))  # started by this process
+    check_actors_fit(config, bundles, cluster=ray.cluster_resources(), local=local)
+    with WaitingNotice(need, ray.available_resources):
+        yield

@@ -55,6 +55,23 @@ def test_the_phase_map_space_is_the_cells_its_header_lists():
     assert {t.config.m2_threshold for t in space.trials} == {0.04}
 
 
+def test_the_powered_repro_adds_seeds_to_the_repro():
+    """`make repro-powered` reports its trials together with `make repro`'s: the same arms and
+    settings but the seed, and seeds neither has twice."""
+    base, more = (load_space(REPO / "tune" / "spaces" / n) for n in ("paper_mini.yaml", "paper_mini_powered.yaml"))
+
+    def cells(space):
+        return {(t.config.policy_loss, t.config.staleness, t.config.seed) for t in space.trials}
+
+    def settings(space):
+        return {(t.config.lr, t.config.prompts_per_step, t.config.minibatch_prompts, t.config.evaluation_interval,
+                 t.config.evaluation_duration, t.config.env_config["heldout_size"]) for t in space.trials}
+
+    assert settings(base) == settings(more) and len(settings(base)) == 1 and base.stop == more.stop
+    assert not {c[2] for c in cells(base)} & {c[2] for c in cells(more)}
+    assert len({c[2] for c in cells(base) | cells(more)}) >= 10
+
+
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_powered.yaml",
                                   "calibrate.yaml", "paper_mini_8token.yaml", "paper_mini_8token_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):

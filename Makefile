@@ -28,14 +28,14 @@ lab: setup
 calibrate: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/calibrate.yaml --out runs/calibrate $(ARGS)
 
-# The paper's comparison in miniature, in the paper's regime (~55 min here): M2PO vs GRPO vs
+# The paper's comparison in miniature, in the paper's regime (23 min here): M2PO vs GRPO vs
 # no trust region at staleness 256 and M2PO on-policy, 3 seeds, 1024 updates, 1000 held-out
 # problems; the report, with each claim's interval and verdict, in runs/repro/paper-mini/report.
 # Interrupted? The same command continues it (finished trials are kept).
 repro: setup
 	$(VENV)/bin/m2po lab --space tune/spaces/paper_mini.yaml --out runs/repro/paper-mini $(ARGS)
 
-# The same comparison with enough seeds to resolve +-2 points: seeds 3-9 (~65 min here;
+# The same comparison with enough seeds to resolve +-2 points: seeds 3-9 (~55 min here;
 # tune/spaces/paper_mini_powered.yaml says how to run it in pieces, or on a cluster with
 # `ray job submit`), reported with `make repro`'s seeds 0-2 in runs/repro/powered-report.
 repro-powered: setup

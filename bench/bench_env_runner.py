@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def measure(engine: str, rounds: int) -> dict:
     from m2po_rllib.config import M2POConfig
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
+    from m2po_rllib.rollout.rounds import sampling_config
 
     config = M2POConfig.from_yaml(str(REPO / "configs" / "default.yaml"), overrides=[f"env_runners.rollout_engine={engine}"])
     runner = LLMEnvRunner(config=config)
@@ -39,7 +40,7 @@ def measure(engine: str, rounds: int) -> dict:
                 for row, mask in zip(batch["prompt_ids"][::g], batch["prompt_mask"][::g])
             ]
             t0 = time.perf_counter()
-            runner.engine.generate(prompts, runner._sampling(n=g, greedy=False, seed=r))
+            runner.engine.generate(prompts, sampling_config(config, runner.env, n=g, greedy=False, seed=r))
             raw_s += time.perf_counter() - t0
     finally:
         runner.stop()

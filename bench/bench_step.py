@@ -46,7 +46,7 @@ def hand_loop(steps: int, warm: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.reward import shared_verifier
-    from m2po_rllib.rollout.env_runner import round_seed
+    from m2po_rllib.rollout.rounds import round_seed
     from m2po_rllib.models.builtin import resolve_model_path
     from m2po_rllib.rollout.env_runner import make_text_env
 

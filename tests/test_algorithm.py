@@ -667,7 +667,7 @@ def test_an_async_runner_scores_its_rounds_in_the_learner_numerics(tiny_model_di
             if engine_dtype == "bfloat16":
                 assert engine_gap > 1e-3  # the engine's numbers are not the learner's
             else:
-                assert engine_gap < 1e-4 and not runner._scorer.owns_model  # the engine's model is shared
+                assert engine_gap < 1e-4 and not runner.host.scorer.owns_model  # the engine's model is shared
     finally:
         runner.stop()
 

@@ -48,7 +48,7 @@ def _config(tiny_model_dir, **runner_settings):
 
 
 def _kill_engine_workers(algo) -> None:
-    pids = algo.env_runner_group.foreach_env_runner(lambda runner: runner._engine.worker_pids, local_env_runner=False)
+    pids = algo.env_runner_group.foreach_env_runner(lambda runner: runner.engine.worker_pids, local_env_runner=False)
     for pid in pids[0]:
         os.kill(pid, signal.SIGKILL)
 

@@ -36,7 +36,8 @@ import numpy as np
 
 from m2po_rllib import keys
 from m2po_rllib.rollout.admission import AsyncRollouts
-from m2po_rllib.rollout.env_runner import round_seed, sample_and_metrics
+from m2po_rllib.rollout.env_runner import sample_and_metrics
+from m2po_rllib.rollout.rounds import round_seed
 from m2po_rllib.rollout.staleness import StalenessController
 from m2po_rllib.wire.batch import concat_rollouts
 from m2po_rllib.wire.weights import PublishedWeights

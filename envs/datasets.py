@@ -25,6 +25,11 @@ def _question_hash(question: str) -> int:
     return int.from_bytes(hashlib.blake2b(question.encode(), digest_size=8).digest(), "big")
 
 
+JSONL_FIX = ('fix or remove that line: each line of a .jsonl file is one JSON object, e.g. '
+             '{"question": "What is 2+2?", "answer": "4"}')
+JSON_FIX = 'fix the file: a .json dataset is one JSON list of objects, e.g. [{"question": "What is 2+2?", "answer": "4"}]'
+
+
 def _json_place(error: json.JSONDecodeError, text: str, unit: str) -> str:
     """Where in `text` (a line or a file) the JSON went wrong: a column, or its end (where
     an unclosed bracket or a missing value shows, whatever whitespace follows)."""
@@ -53,7 +58,8 @@ def load_records(path: str) -> list[dict]:
                     row = json.loads(line.rstrip())
                 except json.JSONDecodeError as e:
                     raise ValueError(
-                        f"{path}, line {number}: not valid JSON ({e.msg} {_json_place(e, line, 'line')})"
+                        f"{path}, line {number}: not valid JSON ({e.msg} {_json_place(e, line, 'line')}); "
+                        f"{JSONL_FIX}"
                     ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{path}, line {number}: a row must be a JSON object, got {type(row).__name__}")
@@ -66,7 +72,7 @@ def load_records(path: str) -> list[dict]:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             where = f"{path}" if e.pos >= len(text.rstrip()) else f"{path}, line {e.lineno}"
-            raise ValueError(f"{where}: not valid JSON ({e.msg} {_json_place(e, text, 'file')})") from None
+            raise ValueError(f"{where}: not valid JSON ({e.msg} {_json_place(e, text, 'file')}); {JSON_FIX}") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path!r} must hold a JSON list of objects, got {type(rows).__name__}")
         return rows

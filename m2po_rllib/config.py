@@ -158,6 +158,13 @@ class M2POConfig(AlgorithmConfig):
         # served-dtype values changed since the last sync (frozen or unchanged parts cost
         # nothing; the learner keeps one more copy of the model on its CPU to compare).
         self.weight_sync = "object_store"
+        # The rollout engine on the learner's GPU (TRL's vllm_mode="colocate", verl's hybrid
+        # engine): one process holds both (num_env_runners=0, num_learners=0), and around each
+        # learner update the engine sleeps (vLLM's sleep mode, level 1: weights to CPU, KV cache
+        # freed), so the learner gets its memory back; it wakes before the next round, which
+        # loads the new weights. Synchronous rollouts only. Where the engine has no sleep mode
+        # (vLLM on CPU, the HF engine) the step is skipped, said once in the log.
+        self.colocate = False
         self.weight_sync_backend = "auto"
         self.weight_sync_bucket_bytes = None
         self.weight_sync_only_changed = False
@@ -276,10 +283,12 @@ class M2POConfig(AlgorithmConfig):
         weight_sync_backend=NotProvided,
         weight_sync_bucket_bytes=NotProvided,
         weight_sync_only_changed=NotProvided,
+        colocate=NotProvided,
         **kwargs,
     ) -> Self:
         super().env_runners(**kwargs)
         self._set_provided(
+            colocate=colocate,
             max_episode_turns=max_episode_turns,
             max_episode_tokens=max_episode_tokens,
             weight_sync=weight_sync,
@@ -354,8 +363,9 @@ class M2POConfig(AlgorithmConfig):
 
     @property
     def learner_gpus(self) -> float:
-        """GPUs per learner (the driver's with a local learner)."""
-        return (self.num_gpus_per_learner if self.num_learners > 0 else self.num_gpus) or 0
+        """GPUs per learner, the local one included (RLlib's new API stack gives a learner in
+        the main process `num_gpus_per_learner` too: the main process's bundle asks for them)."""
+        return self.num_gpus_per_learner or 0
 
     def served_dtype(self) -> torch.dtype:
         """The dtype the runners' engines serve the weights in (what a native sync sends)."""

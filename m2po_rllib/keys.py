@@ -86,6 +86,9 @@ SCORE_S = "rollout/score_s"
 WEIGHT_SYNC_S = "rollout/weight_sync_s"
 ENGINE_VERSION = "rollout/engine_policy_version"
 ENGINE_START_S = "rollout/engine_start_s"
+# colocate=True: the engines' sleep around each update (the driver's view; 0 s where skipped)
+ENGINE_SLEEP_S = "rollout/engine_sleep_s"
+ENGINE_WAKE_S = "rollout/engine_wake_s"
 # Multi-turn episodes (rollout/episodes.py), means per episode of a round
 EPISODE_TURNS = "episode/turns"
 EPISODE_POLICY_TOKENS = "episode/policy_tokens"

@@ -111,6 +111,26 @@ class M2PO(Algorithm):
         """Optimizer updates of the learners' weights, as they last reported it."""
         return self._learners.version
 
+    @override(Algorithm)
+    def get_module(self, module_id: str = DEFAULT_MODULE_ID):
+        """The trained RLModule (an `HFCausalLMModule`), RLlib's way to inspect or export a
+        policy. M2PO's EnvRunners hold a generation engine, not a module, so it comes from
+        the learners: a local learner's own module (it keeps training with the algorithm);
+        with remote learners, a module built here holding their current weights and version
+        (a copy, taken after the updates in flight finish). None for an unknown id, as RLlib."""
+        group = self.learner_group
+        if group.is_local:
+            modules = group._learner.module
+            return modules[module_id].unwrapped() if module_id in modules.keys() else None
+        if module_id != DEFAULT_MODULE_ID:
+            return None
+        self._drain()
+        published = self._learners.publish()
+        spec = self.config.get_rl_module_spec(spaces=self.env_runner_group.get_spaces())
+        module = spec.build()
+        module.set_state({"weights": published.get(), "policy_version": published.version})
+        return module
+
     @property
     def sampler(self) -> RolloutSampler:
         return self._sampler
@@ -149,7 +169,8 @@ class M2PO(Algorithm):
         if batch is None:
             return  # the stale-k queue is filling
         with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
-            results = self._update(batch)
+            with self._sampler.engines_asleep(lambda key, s: self.metrics.log_value(key, s, window=1)):
+                results = self._update(batch)  # colocate=True: the engine's GPU memory is the learner's
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
             self._absorb(self._learners.take(results))
             self._sampler.request(self._learners.weights)  # async: the new weights go out at once

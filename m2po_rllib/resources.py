@@ -53,21 +53,77 @@ def _arithmetic(config, bundles: list[dict]) -> str:
     return " + ".join(parts)
 
 
+# The settings that ask for each resource, and how to give a local Ray more of it.
+_FIXES = {
+    "CPU": ("Lower `num_cpus_per_env_runner` (e.g. 0.5: a runner mostly waits on its engine), "
+            "`num_env_runners` or `num_learners` (0 trains in this process), or start Ray with more "
+            "(`ray.init(num_cpus=...)`)",
+            ("num_env_runners", "num_cpus_per_env_runner", "num_learners", "num_cpus_per_learner")),
+    "GPU": ("Lower `num_gpus_per_env_runner` or `num_gpus_per_learner` (0: on CPU; a fraction shares a GPU), "
+            "`num_env_runners` or `num_learners`, run it where the GPUs are (RAY_ADDRESS), or start Ray with "
+            "the GPUs it has missed (`ray.init(num_gpus=...)`)",
+            ("num_gpus_per_env_runner", "num_gpus_per_learner", "num_env_runners", "num_learners")),
+}
+
+
 def check_actors_fit(config, bundles: list[dict], *, cluster: dict[str, float], local: bool) -> None:
-    """Raises `ConfigError` when the actors of `config` can never fit a local `cluster`."""
+    """Raises `ConfigError` when the actors of `config` can never fit a local `cluster`; the
+    fix names the settings of what is short (GPUs first: they are the harder to add)."""
     need = requested(bundles)
     missing = shortfall(need, cluster)
     if not missing or not local:
         return
     what = ", ".join(f"{need[r]:g} {r}s" for r in missing)
     have = ", ".join(f"{cluster.get(r, 0.0):g} {r}s" for r in missing)
+    short = [r for r in ("GPU", "CPU") if r in missing]
+    fix = "; ".join(_FIXES[r][0] for r in short)
+    settings = tuple(dict.fromkeys(name for r in short for name in _FIXES[r][1]))
     raise ConfigError(
         f"the algorithm's actors need {what} ({_arithmetic(config, bundles)}) and this local Ray cluster has "
-        f"{have}: Ray would queue them forever. Lower `num_cpus_per_env_runner` (e.g. 0.5: a runner "
-        f"mostly waits on its engine), `num_env_runners` or `num_learners` (0 trains in this "
-        f"process), or start Ray with more (`ray.init(num_cpus=...)`)",
-        ("num_env_runners", "num_cpus_per_env_runner", "num_learners", "num_cpus_per_learner"),
+        f"{have}: Ray would queue them forever. {fix}",
+        settings,
     )
+
+
+def visible_gpus() -> int:
+    """GPUs this process can use (CUDA_VISIBLE_DEVICES applied); 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_local_learner_gpus(config, gpus: int | None = None) -> None:
+    """A learner in this process (`num_learners=0`) with `num_gpus_per_learner` > 0 computes on
+    GPU `local_gpu_idx` of this process: refused at once, with the GPUs seen, when there is no
+    such GPU (RLlib would fail later, deep in building the learner, with an assertion).
+    `gpus`: the GPUs this process sees (default: ask CUDA)."""
+    if config.num_learners > 0 or not config.num_gpus_per_learner:
+        return
+    gpus = visible_gpus() if gpus is None else gpus
+    index = config.local_gpu_idx
+    if index < gpus:
+        return
+    seen = f"{gpus} GPU{'s' if gpus != 1 else ''}" + ("" if gpus else " (no CUDA device)")
+    raise ConfigError(
+        f"`num_gpus_per_learner` is {config.num_gpus_per_learner:g} with `num_learners` 0: the learner runs in this "
+        f"process on GPU {index} (`local_gpu_idx`), and this process sees {seen}. Set "
+        "learners.num_gpus_per_learner=0 to train on CPU"
+        + (", or `local_gpu_idx` below {gpus}".format(gpus=gpus) if gpus else "")
+        + ", or run where a GPU is (CUDA_VISIBLE_DEVICES names the ones this process may use)",
+        ("num_gpus_per_learner", "num_learners", "local_gpu_idx"),
+    )
+
+
+def init_ray_for_api() -> None:
+    """What Ray does itself on an algorithm's first actor when a script has not called
+    `ray.init()` (the cluster in RAY_ADDRESS, else a new local Ray with its dashboard, as
+    RLlib users expect), except that a local Ray started here ends with this process, a
+    kill -9 included, as one that `m2po train` starts does."""
+    from m2po_rllib.ray_watchdog import end_with_this_process, started_here
+
+    ray.init()
+    if started_here():
+        end_with_this_process()
 
 
 class WaitingNotice:
@@ -116,13 +172,19 @@ def actors_placed(config, bundles: list[dict]):
     """Around the creation of the actors that `bundles` (`default_resource_request`) ask for:
     fails at once if they can never fit this local Ray; on a cluster this process joined,
     says every 30 s what they wait for."""
+    from m2po_rllib.ray_watchdog import started_here
+
+    check_local_learner_gpus(config)
     need = requested(bundles)
-    if not any(need.values()) or ray.util.get_current_placement_group() is not None:
-        yield  # no actors, or a Tune trial whose placement group holds them
+    if not any(need.values()):
+        yield  # no actors
         return
-    if not ray.is_initialized():
-        ray.init()  # what Ray does on the first actor anyway; the check needs the cluster
-    local = bool(getattr(ray._private.worker._global_node, "head", False))  # started by this process
+    if not ray.is_initialized():  # (Ray's own calls, the next one included, would start a plain one)
+        init_ray_for_api()  # what Ray does on the first actor anyway; the check needs the cluster
+    if ray.util.get_current_placement_group() is not None:
+        yield  # a Tune trial whose placement group holds them
+        return
+    local = started_here()
     check_actors_fit(config, bundles, cluster=ray.cluster_resources(), local=local)
     with WaitingNotice(need, ray.available_resources):
         yield

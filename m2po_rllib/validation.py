@@ -41,7 +41,7 @@ _OPTIONAL = {
     "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
     "max_episode_turns": _INT, "max_episode_tokens": _INT,
 }
-_BOOLS = ("recompute_behavior_logp", "async_rollouts")
+_BOOLS = ("recompute_behavior_logp", "async_rollouts", "colocate")
 
 
 def _is(value, kind: str) -> bool:
@@ -548,11 +548,49 @@ def notices(config) -> list[str]:
     return out
 
 
+def check_gpu_requests(config) -> list[Problem]:
+    """GPU requests that no actor would carry. (Whether the machine has the GPUs is checked
+    where they are used: `resources.py`, at build.)"""
+    runners = config.num_env_runners + (config.evaluation_num_env_runners or 0)
+    if config.in_evaluation or not config.num_gpus_per_env_runner or runners:
+        return []
+    return [problem(
+        ("num_gpus_per_env_runner", "num_env_runners"),
+        f"`num_gpus_per_env_runner` ({config.num_gpus_per_env_runner:g}) asks GPUs for each remote EnvRunner, and "
+        "`num_env_runners` is 0: no runner would get them (the local runner's engine runs in the main process, "
+        "with the main process's devices). Set num_env_runners >= 1 to give each runner a GPU, or "
+        "num_gpus_per_env_runner=0 (with num_gpus_per_learner > 0 the main process has the GPU)",
+    )]
+
+
+def check_colocate(config) -> list[Problem]:
+    """`colocate=True`: the engine and the learner take turns on one GPU, in one process."""
+    if not config.colocate or config.in_evaluation:
+        return []
+    out = []
+    if config.async_rollouts:
+        out.append(problem(
+            ("colocate", "async_rollouts"),
+            "`colocate=True` has the engine sleep while the learner updates on the same GPU, so rollouts and "
+            "updates take turns: the synchronous stale-k protocol (the paper's). Set async_rollouts=False "
+            "(staleness=k for data k updates old), or colocate=False with remote EnvRunners on GPUs of their own",
+        ))
+    if config.num_env_runners or config.num_learners:
+        out.append(problem(
+            ("colocate", "num_env_runners", "num_learners"),
+            f"`colocate=True` runs the engine beside the learner in the main process (num_env_runners=0, "
+            f"num_learners=0, num_gpus_per_learner=1: one GPU); `num_env_runners` is {config.num_env_runners} and "
+            f"`num_learners` {config.num_learners}: set both to 0, or colocate=False (colocation over several GPUs "
+            "is not built yet; docs/guide/gpus-and-clusters.md)",
+        ))
+    return out
+
+
 # Stages after RLlib's own `validate()`: a later stage assumes the earlier ones passed.
 STAGES: tuple[tuple[Check, ...], ...] = (
     (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
     (check_batch_shapes, check_episode_budget),
-    (check_rollout_mode, check_weight_sync),
+    (check_rollout_mode, check_weight_sync, check_gpu_requests, check_colocate),
 )
 
 

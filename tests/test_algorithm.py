@@ -522,6 +522,15 @@ def test_two_learners_global_mask_equals_one_learner(ray_session, tiny_model_dir
         try:
             results.append(algo.train()["learners"]["default_policy"])
             weights.append({k: torch.as_tensor(v) for k, v in _weights(algo).items()})
+            # RLlib's way to the trained policy: the local learner's module itself, or (remote
+            # learners) a module holding their weights and version
+            module = algo.get_module()
+            assert module.policy_version == algo.policy_version > 0
+            local = algo.learner_group._learner  # None with remote learners
+            assert (local is not None and module is local.module["default_policy"]) == (num_learners == 0)
+            for k, v in module.get_state()["weights"].items():
+                torch.testing.assert_close(v, weights[-1][k], rtol=0, atol=0)
+            assert algo.get_module("no_such_module") is None
         finally:
             algo.stop()
     one, two = results

@@ -113,6 +113,10 @@ def _m2po_here(capfd, *args) -> tuple[int, str, str]:
         ),
         # valid config, fails while the algorithm is built (in the env): the run dir goes too
         ("environment.env_config.digits=0", "digits=0 must be an integer >= 1"),
+        # a GPU for remote runners that do not exist
+        ("env_runners.num_gpus_per_env_runner=1",
+         "Invalid M2POConfig: `num_gpus_per_env_runner` (1) asks GPUs for each remote EnvRunner, and "
+         "`num_env_runners` is 0: no runner would get them"),
     ],
 )
 @pytest.mark.usefixtures("ray_session")  # the last one builds the algorithm: on the session's Ray
@@ -124,6 +128,37 @@ def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, capfd, monkey
     assert err.startswith(f"m2po train: error: {message}"), err[-3000:]
     assert err.count("\n") == 1, err[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_local_learner_on_a_gpu_this_machine_lacks_is_one_line_before_anything_starts(tmp_path, capfd, monkeypatch):
+    """`num_gpus_per_learner=1` with the learner in this process, on a GPU index past this
+    machine's real GPUs (none here): refused before Ray starts or a run directory exists."""
+    from m2po_rllib.resources import visible_gpus
+
+    gpus = visible_gpus()
+    monkeypatch.chdir(REPO)
+    import m2po_rllib.jobs.train as train_job
+
+    ray_starts = []
+    monkeypatch.setattr(train_job, "init_ray", lambda **kw: ray_starts.append(kw))
+    past = [f"learners.local_gpu_idx={gpus}"] if gpus else []  # a GPU machine: the index past its last
+    code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "run"), "--stop-iters", "1",
+                              "learners.num_gpus_per_learner=1", *past)
+    assert code == 2 and err.count("\n") == 1, err[-3000:]
+    seen = f"{gpus} GPUs" + ("" if gpus else " (no CUDA device)") if gpus != 1 else "1 GPU"
+    assert err.startswith(f"m2po train: error: `num_gpus_per_learner` is 1 with `num_learners` 0: the learner runs "
+                          f"in this process on GPU {gpus} (`local_gpu_idx`), and this process sees {seen}. Set "
+                          "learners.num_gpus_per_learner=0 to train on CPU"), err
+    assert not (tmp_path / "run").exists()
+    assert ray_starts == []  # refused before Ray
+
+
+def test_resuming_a_missing_directory_is_one_line_with_the_fix(tmp_path, capfd):
+    code, _, err = _m2po_here(capfd, "train", "--resume", str(tmp_path / "nope"))
+    assert code == 2 and err.count("\n") == 1, err[-3000:]
+    assert err == (f"m2po train: error: --resume {tmp_path / 'nope'}: no such directory; pass the directory a run was "
+                   "written to (its --output, by default runs/<config>-<time>; `ls runs/` lists them)\n")
+    assert not (tmp_path / "nope").exists()
 
 
 def test_an_empty_heldout_split_is_refused_before_anything_is_made(tmp_path, capfd, monkeypatch):

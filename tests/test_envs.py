@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import envs
 from envs import ArithmeticTasks, DatasetTasks, MathTextEnv, render_prompt
 from envs.arithmetic import in_heldout_region
+from envs.datasets import JSON_FIX, JSONL_FIX
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GSM8K = os.path.join(FIXTURES, "gsm8k_sample.jsonl")
@@ -408,16 +409,16 @@ def test_a_json_error_points_where_the_line_or_file_goes_wrong(tmp_path):
     data.write_text('{"question": "What is 1+1?", "answer": "2"}\n{"question": "What is 2+2?", "answer": "4"\n')
     with pytest.raises(ValueError) as err:
         DatasetTasks(path=str(data))
-    assert str(err.value) == f"{data}, line 2: not valid JSON (Expecting ',' delimiter at the end of the line)"
+    assert str(err.value) == f"{data}, line 2: not valid JSON (Expecting ',' delimiter at the end of the line); {JSONL_FIX}"
     data.write_text('{"question": "What is 2+2?" "answer": "4"}\n')
     with pytest.raises(ValueError) as err:
         DatasetTasks(path=str(data))
-    assert str(err.value) == f"{data}, line 1: not valid JSON (Expecting ',' delimiter at column 29)"
+    assert str(err.value) == f"{data}, line 1: not valid JSON (Expecting ',' delimiter at column 29); {JSONL_FIX}"
     data = tmp_path / "mine.json"
     data.write_text('[\n  {"question": "What is 1+1?", "answer": "2"},\n  {"question": "What is 2+2?", "answer": "4"}\n\n')
     with pytest.raises(ValueError) as err:
         DatasetTasks(path=str(data))
-    assert str(err.value) == f"{data}: not valid JSON (Expecting ',' delimiter at the end of the file)"
+    assert str(err.value) == f"{data}: not valid JSON (Expecting ',' delimiter at the end of the file); {JSON_FIX}"
 
 
 def test_malformed_data_names_the_file_the_line_and_the_field(tmp_path):

@@ -149,7 +149,36 @@ def test_plan_compares_the_actors_with_this_machine(capsys, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert main(["plan", "--config", QWEN3_STALE0]) == 0  # 8 runners at 1 CPU (the learners take GPUs)
-    assert "warning: the actors need 8 CPUs and this machine has 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: the actors need 8 CPUs (the main process 1 more) and this machine has 2" in out
+    assert "total: 9 CPUs (8 for the actors + 1 for the main process), 16 GPUs" in out
     config = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert main(["plan", "--config", str(config)]) == 0  # one process: no actors
     assert "the actors need" not in capsys.readouterr().out
+
+
+def test_plan_compares_the_gpus_with_the_node(capsys):
+    """The GPUs a config asks for against `--gpus` (the node planned for), or by default this
+    machine's real GPUs (none here)."""
+    from m2po_rllib.resources import visible_gpus
+
+    assert main(["plan", "--config", QWEN3_STALE0, "--gpus", "8"]) == 0  # 8 runners + 8 learners
+    out = capsys.readouterr().out
+    assert ("warning: the config needs 16 GPUs and the node planned for (--gpus) has 8: Ray would never place it "
+            "there. Lower num_gpus_per_env_runner / num_gpus_per_learner") in out
+    assert main(["plan", "--config", QWEN3_STALE0, "--gpus", "16"]) == 0
+    assert "GPUs: 16 needed, 16 on the node planned for (--gpus): enough" in capsys.readouterr().out
+    assert main(["plan", "--config", QWEN3_STALE0]) == 0
+    here = visible_gpus()
+    assert f"the config needs 16 GPUs and this machine has {here}" in capsys.readouterr().out
+    config = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert main(["plan", "--config", str(config), "--gpus", "0"]) == 0  # CPU only
+    assert "GPUs: 0 needed, 0 on the node planned for (--gpus): enough" in capsys.readouterr().out
+
+
+def test_a_micro_batch_of_one_is_not_offered_lower():
+    p = {"micro_batch_size": 4, "largest_micro_batch": {"ddp": 1, "fsdp": 1}, "num_learners": 1, "sharding": "ddp",
+         "fits": {"ddp": False, "fsdp": False}, "gradient_checkpointing": True}
+    assert recommend_text(p) == "set training.micro_batch_size=1; DDP then fits"
+    p["largest_micro_batch"] = {"ddp": 2, "fsdp": 2}
+    assert recommend_text(p) == "set training.micro_batch_size=2 (or lower); DDP then fits"

@@ -140,3 +140,121 @@ def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_m
                                           r"local Ray cluster has 4 CPUs"):
         _actor_config(tiny_model_dir, runners=3, runner_cpus=1, learners=2).build_algo()
     assert time.monotonic() - t0 < 60 and ray.available_resources().get("CPU") == before
+
+
+# -- GPUs: requests this machine (or its local Ray) cannot serve ---------------------------------
+def test_a_gpu_shortage_names_the_gpu_settings_not_the_cpu_ones(tiny_model_dir):
+    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.resources import check_actors_fit
+
+    config = _actor_config(tiny_model_dir, runners=1, runner_cpus=0.5, learners=0).env_runners(num_gpus_per_env_runner=1)
+    bundles = M2PO.default_resource_request(config).bundles
+    with pytest.raises(ConfigError) as err:
+        check_actors_fit(config, bundles, cluster={"CPU": 2.0}, local=True)
+    message = str(err.value)
+    assert message.startswith("the algorithm's actors need 1 GPUs (1 EnvRunner(s) x 0.5 CPU and 1 GPU) and this local "
+                              "Ray cluster has 0 GPUs: Ray would queue them forever. Lower `num_gpus_per_env_runner`")
+    assert "ray.init(num_gpus=...)" in message and "num_cpus" not in message
+    assert err.value.settings[0] == "num_gpus_per_env_runner" and "num_cpus_per_env_runner" not in err.value.settings
+    # short of both: each with its own fix, GPUs first
+    many = _actor_config(tiny_model_dir, runners=3, runner_cpus=1, learners=0).env_runners(num_gpus_per_env_runner=1)
+    with pytest.raises(ConfigError) as err:
+        check_actors_fit(many, M2PO.default_resource_request(many).bundles, cluster={"CPU": 2.0}, local=True)
+    assert "need 3 CPUs, 3 GPUs" in str(err.value) and "ray.init(num_gpus=...)" in str(err.value)
+    assert "ray.init(num_cpus=...)" in str(err.value)
+
+
+def test_a_local_learner_asks_for_a_gpu_this_process_has(tiny_model_dir):
+    """With this machine's real GPUs (none here): a learner in this process on a GPU index
+    past them is refused at build, before Ray or the learner starts, naming what it saw."""
+    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.resources import visible_gpus
+
+    gpus = visible_gpus()
+    config = _actor_config(tiny_model_dir, runners=0, runner_cpus=1, learners=0).learners(
+        num_gpus_per_learner=1, local_gpu_idx=gpus)
+    with pytest.raises(ConfigError) as err:
+        config.build_algo()
+    assert f"on GPU {gpus} (`local_gpu_idx`), and this process sees {gpus} GPU" in str(err.value)
+    assert err.value.settings[0] == "num_gpus_per_learner"
+    assert config.learner_gpus == 1  # the local learner's GPUs are num_gpus_per_learner, as RLlib's main bundle
+
+
+def test_gpus_for_runners_that_do_not_exist_are_refused(tiny_model_dir):
+    from m2po_rllib.errors import ConfigError
+
+    config = _actor_config(tiny_model_dir, runners=0, runner_cpus=1, learners=0).env_runners(num_gpus_per_env_runner=1)
+    with pytest.raises(ConfigError, match=r"`num_env_runners` is 0: no runner would get them") as err:
+        config.validate()
+    assert err.value.settings == ("num_gpus_per_env_runner", "num_env_runners")
+    # with a runner (or a dedicated evaluation runner) the request has someone to go to
+    config.copy(copy_frozen=False).env_runners(num_env_runners=1).validate()
+    config.copy(copy_frozen=False).evaluation(evaluation_num_env_runners=1, evaluation_interval=1).validate()
+
+
+@pytest.mark.slow
+def test_build_algo_fails_at_once_when_the_gpus_are_missing(ray_session, tiny_model_dir):
+    """The session's local Ray has this machine's GPUs (none here): a runner asking for one
+    more than that is refused before any actor is made, with the GPU settings as the fix."""
+    import ray
+
+    from m2po_rllib.errors import ConfigError
+
+    have = ray.cluster_resources().get("GPU", 0.0)
+    config = _actor_config(tiny_model_dir, runners=1, runner_cpus=0.5, learners=0).env_runners(
+        num_gpus_per_env_runner=have + 1)
+    with pytest.raises(ConfigError, match=r"Ray would queue them forever. Lower `num_gpus_per_env_runner`"):
+        config.build_algo()
+
+
+# -- the Ray a Python script's algorithm starts ---------------------------------------------------
+@pytest.mark.slow
+def test_a_local_ray_started_for_a_python_script_ends_with_its_kill_9(tiny_model_dir, tmp_path):
+    """A script that builds the algorithm without `ray.init()` gets a local Ray (as RLlib's
+    users expect); killed with kill -9, that Ray ends with it: the raylet's dashboard and
+    runtime-env agents and the runner's worker included, as with `m2po train`."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import psutil
+
+    from test_cli import _user_env
+
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import time\n"
+        "from m2po_rllib.config import M2POConfig\n"
+        "config = (M2POConfig().environment('m2po/Arithmetic-v0', env_config={'digits': 1})\n"
+        "          .env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5, rollout_engine='hf')\n"
+        f"          .rl_module(model_config={{'model': {tiny_model_dir!r}}})\n"
+        "          .training(group_size=2, prompts_per_step=2, minibatch_prompts=2))\n"
+        "algo = config.build_algo()\n"
+        "print('built', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    # its own temp dir (short: Ray's sockets live under it); ray.init() picks free ports
+    env = {**_user_env(), "RAY_TMPDIR": tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")}
+    job = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        line = job.stdout.readline()
+        assert line == "built\n", job.stderr.read()[-3000:] if job.poll() is not None else line
+        ray_processes = [p for p in psutil.Process(job.pid).children(recursive=True)
+                         if "ray_watchdog" not in " ".join(p.cmdline())]
+        names = " ".join(" ".join(p.cmdline()) for p in ray_processes)
+        assert "raylet" in names and "dashboard/agent.py" in names, names  # what lingered before
+        job.kill()  # the script alone, as a user's kill -9 PID does
+        job.wait(timeout=60)
+        _, alive = psutil.wait_procs(ray_processes, timeout=30)
+        assert not alive, f"left running after the script's kill -9: {[p.cmdline()[:2] for p in alive]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+        import shutil
+
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

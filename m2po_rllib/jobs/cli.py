@@ -4,7 +4,7 @@
     m2po train --resume DIR [run.key=value | training.lr=... (see run_dir.RESUME_SAFE)]
     m2po eval  --checkpoint DIR | --model builtin:arith-tiny  [--split heldout] [--samples k]
     m2po export --checkpoint DIR --out HF_DIR
-    m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80]
+    m2po plan  --config configs/paper_qwen3_1.7b_stale256.yaml [--gpu-memory-gb 80] [--gpus 16]
     m2po lab    [--space tune/spaces/cpu.yaml] [--out DIR] [--max-concurrent N] [--dry-run]
     m2po report DIR [DIR ...] [--out OUT] [--last-k K] [--margin M]
 """
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="dry run: Ray resources, parameter count, learner memory (no weights loaded)")
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/paper_qwen3_1.7b_stale256.yaml")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one learner GPU in GiB (default 80)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs of the node or cluster to plan for (default: this machine's)")
     p.add_argument("--prompt-len", type=int, default=None, help="longest prompt (default: max_model_len - max_new_tokens)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.micro_batch_size=4")
     p.set_defaults(func=_cmd_plan)
@@ -131,7 +132,9 @@ def _cmd_export(args) -> int:
 def _cmd_plan(args) -> int:
     from m2po_rllib.jobs.plan import run_plan
 
-    return run_plan(args.config, args.gpu_memory_gb, overrides=args.overrides, prompt_len=args.prompt_len)
+    if args.gpus is not None and args.gpus < 0:
+        raise ConfigError(f"--gpus ({args.gpus}) must be >= 0: the GPUs of the node to plan for")
+    return run_plan(args.config, args.gpu_memory_gb, overrides=args.overrides, prompt_len=args.prompt_len, gpus=args.gpus)
 
 
 def _cmd_lab(args) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
+from m2po_rllib.ray_watchdog import end_with_this_process
+
 logger = logging.getLogger(__name__)
 
 # No idle workers started ahead (the job's actors start their own; prestarted ones are
@@ -45,27 +47,7 @@ def init_ray(*, worker_logs: bool = True) -> None:
         _system_config=LOCAL_RAY_SYSTEM_CONFIG,
     )
     _stop_unused_daemons(log_monitor=not worker_logs)
-    _end_with_this_process()
-
-
-_WATCHDOG = []  # the watchdog's Popen: its pipe stays open for as long as this process lives
-
-
-def _end_with_this_process() -> None:
-    """The local Ray this job started ends with it, a kill -9 included (ray_watchdog.py)."""
-    import ray
-
-    from m2po_rllib.jobs.ray_watchdog import watch
-
-    node = getattr(ray._private.worker, "_global_node", None)
-    try:
-        pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
-    except Exception as e:  # a Ray whose internals changed: without the watchdog
-        logger.debug("no watchdog for the local Ray: %s", e)
-        return
-    watchdog = watch(pids)
-    if watchdog is not None:
-        _WATCHDOG.append(watchdog)
+    end_with_this_process()  # a kill -9 included (ray_watchdog.py)
 
 
 def _stop_unused_daemons(*, log_monitor: bool) -> None:

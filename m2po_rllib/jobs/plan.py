@@ -4,7 +4,8 @@ Validates the config (the same `validate()` that `m2po train` runs), prints the 
 RLlib will ask Ray for (`M2PO.default_resource_request`), the model's parameter count from
 its config.json alone (built on the meta device), and the estimated peak memory of each
 learner with the chosen micro-batch, under DDP (a full replica per learner) and under FSDP
-(states sharded over the learners), against a device of `--gpu-memory-gb`.
+(states sharded over the learners), against a device of `--gpu-memory-gb`, and the GPUs the
+config asks for against the node's (`--gpus`, default this machine's).
 
 Hub names resolve to the hub's config.json when reachable (or cached), else to the copy
 shipped in m2po_rllib/assets/model_configs/ (written from the public architecture numbers).
@@ -170,8 +171,10 @@ def largest_micro_batch(parts_for, limit: float, sequences: int) -> int:
     return max(fitting, default=0)
 
 
-def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_len: int | None = None) -> dict:
-    """Everything `m2po plan` prints, as data."""
+def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_len: int | None = None,
+         gpus: int | None = None) -> dict:
+    """Everything `m2po plan` prints, as data. `gpus`: the GPUs of the node or cluster planned
+    for (None: this machine's)."""
     from m2po_rllib.config import M2POConfig
     from m2po_rllib.m2po import M2PO
 
@@ -209,6 +212,13 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
             num_learners=learners, ddp_bucket_copy=not ddp_kwargs.get("gradient_as_bucket_view", False),
         )
 
+    gpus_needed = sum(b.get("GPU", 0) for b in bundles)
+    if gpus is None:
+        from m2po_rllib.resources import visible_gpus
+
+        gpus, gpus_from = visible_gpus(), "this machine"
+    else:
+        gpus_from = "the node planned for (--gpus)"
     limit = HEADROOM * gpu_memory_gb * GiB
     memory = parts_for(micro)
     fits = {mode: sum(parts.values()) <= limit for mode, parts in memory.items()}
@@ -221,6 +231,7 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
         "largest_micro_batch": best, "engine_gpu_memory_utilization": (config.engine_kwargs or {}).get("gpu_memory_utilization"),
         "rollout_engine": config.resolved_rollout_engine() if config.rollout_engine != "auto" else "auto",
         "engine_dtype": (config.engine_kwargs or {}).get("dtype", dtype), "minibatch_sequences": config.minibatch_prompts * config.group_size,
+        "gpus_needed": gpus_needed, "gpus": gpus, "gpus_from": gpus_from,
     }
 
 
@@ -234,7 +245,8 @@ def recommendation(p: dict) -> str:
         over = f" over {n} learners" if mode == "fsdp" else ""
         return f"fits as configured ({mode.upper()}{over}, micro_batch_size={micro})"
     if best[mode]:
-        return f"set training.micro_batch_size={best[mode]} (or lower); {mode.upper()} then fits"
+        lower = " (or lower)" if best[mode] > 1 else ""
+        return f"set training.micro_batch_size={best[mode]}{lower}; {mode.upper()} then fits"
     if mode == "ddp" and best["fsdp"] and n > 1:
         also = f" and training.micro_batch_size={best['fsdp']}" if best["fsdp"] < micro else ""
         return (
@@ -243,6 +255,18 @@ def recommendation(p: dict) -> str:
         )
     tip = "" if p["gradient_checkpointing"] else "enable gradient_checkpointing, "
     return f"does not fit even with FSDP at micro_batch_size=1: {tip}add learners, or use a larger device"
+
+
+def gpu_fit(p: dict) -> str:
+    """The GPUs the config asks for against those planned for (`--gpus`, or this machine's),
+    with the settings that change the count when they are short."""
+    need, have, where = p["gpus_needed"], p["gpus"], p["gpus_from"]
+    if need <= have + 1e-9:
+        return f"  GPUs: {need:g} needed, {have} on {where}: enough"
+    fix = ("num_gpus_per_env_runner / num_gpus_per_learner (0 runs on CPU; a fraction shares a GPU), "
+           "num_env_runners / num_learners")
+    return (f"  warning: the config needs {need:g} GPUs and {where} has {have}: Ray would never place it there. "
+            f"Lower {fix}, or plan for the node it will run on (--gpus N)")
 
 
 def format_plan(p: dict) -> str:
@@ -254,15 +278,18 @@ def format_plan(p: dict) -> str:
     total_cpu = sum(b.get("CPU", 0) for b in p["bundles"])
     runner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["EnvRunners"] + p["groups"]["evaluation EnvRunners"])
     learner_gpus = sum(b.get("GPU", 0) for b in p["groups"]["learners"] + p["groups"]["main process"])
-    lines.append(f"  total: {total_cpu:g} CPUs, {runner_gpus + learner_gpus:g} GPUs ({runner_gpus:g} EnvRunner GPUs + {learner_gpus:g} learner GPUs)")
-    actor_cpus = total_cpu - sum(b.get("CPU", 0) for b in p["groups"]["main process"])
+    main_cpus = sum(b.get("CPU", 0) for b in p["groups"]["main process"])
+    actor_cpus = total_cpu - main_cpus
+    lines.append(f"  total: {total_cpu:g} CPUs ({actor_cpus:g} for the actors + {main_cpus:g} for the main process), "
+                 f"{runner_gpus + learner_gpus:g} GPUs ({runner_gpus:g} EnvRunner GPUs + {learner_gpus:g} learner GPUs)")
     here = os.cpu_count() or 1
     if not os.environ.get("RAY_ADDRESS") and actor_cpus > here:
         lines.append(
-            f"  warning: the actors need {actor_cpus:g} CPUs and this machine has {here}: a local run fails at "
-            "build (Ray would queue them forever); lower num_cpus_per_env_runner / num_env_runners / num_learners, "
-            "or run it on a cluster (RAY_ADDRESS)"
+            f"  warning: the actors need {actor_cpus:g} CPUs (the main process {main_cpus:g} more) and this machine "
+            f"has {here}: a local run fails at build (Ray would queue them forever); lower num_cpus_per_env_runner / "
+            "num_env_runners / num_learners, or run it on a cluster (RAY_ADDRESS)"
         )
+    lines.append(gpu_fit(p))
     lines += [
         f"Model {m.name} ({m.model_type}): {_count(m.num_params)} parameters, {_count(m.num_params - m.embedding_params)} "
         f"without embeddings ({'tied' if m.tied else 'untied'} head); {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
@@ -298,6 +325,7 @@ def format_plan(p: dict) -> str:
     return "\n".join(lines)
 
 
-def run_plan(config_path: str, gpu_memory_gb: float, overrides=None, prompt_len: int | None = None) -> int:
-    print(format_plan(plan(config_path, gpu_memory_gb, overrides=overrides, prompt_len=prompt_len)))
+def run_plan(config_path: str, gpu_memory_gb: float, overrides=None, prompt_len: int | None = None,
+             gpus: int | None = None) -> int:
+    print(format_plan(plan(config_path, gpu_memory_gb, overrides=overrides, prompt_len=prompt_len, gpus=gpus)))
     return 0

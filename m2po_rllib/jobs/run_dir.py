@@ -147,7 +147,8 @@ def resume_run(resume: str, overrides: list[str]):
     changed setting to (old, new). Raises ValueError / FileNotFoundError with the fix."""
     run_dir = Path(resume).resolve()
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"--resume {run_dir}: no such directory")
+        raise FileNotFoundError(f"--resume {run_dir}: no such directory; pass the directory a run was written to "
+                                f"(its --output, by default runs/<config>-<time>; `ls runs/` lists them)")
     meta_path = run_dir / "run.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory of `m2po train` (no run.json)")

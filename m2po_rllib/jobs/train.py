@@ -18,6 +18,7 @@ from typing import Any
 from m2po_rllib import durable, keys
 from m2po_rllib.jobs import run_dir as runs
 from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
+from m2po_rllib.resources import check_local_learner_gpus
 from m2po_rllib.jobs.history import history_record, tensorboard_scalars
 from m2po_rllib.errors import ConfigError
 
@@ -135,6 +136,7 @@ def run_training(
     for key, value in (("stop_iters", stop_iters), ("stop_minutes", stop_minutes), ("checkpoint_every", checkpoint_every)):
         if value is not None:
             run[key] = value
+    check_local_learner_gpus(config)  # before Ray starts or a run directory is made (build checks it too)
     created = not run_dir.exists()
     if not resume:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -123,6 +123,19 @@ class GenerationEngine(abc.ABC):
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copies `weights` into the served model."""
 
+    # -- sleep (colocated training: the engine gives its accelerator memory to the learner) --
+    sleep_unavailable: str | None = "this engine has no sleep mode"
+    """Why `sleep()` does nothing here; None where it frees memory."""
+
+    def sleep(self) -> bool:
+        """Frees the engine's accelerator memory (weights offloaded, KV cache dropped) until
+        `wake_up()`; no request may run in between. False, changing nothing, where the engine
+        has no such mode (`sleep_unavailable` says why)."""
+        return False
+
+    def wake_up(self) -> None:
+        """Restores what `sleep()` freed (the weights it had); a no-op when awake."""
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Frees the model and any worker processes; idempotent."""

@@ -21,6 +21,10 @@ from m2po_rllib.wire.weights import PublishedWeights
 
 logger = logging.getLogger(__name__)
 
+# colocate=True with vLLM: its share of the GPU (gpu_memory_utilization) unless engine_kwargs
+# sets one; the learner's weights, gradients and AdamW moments hold the rest (`m2po plan`).
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.4
+
 
 def engine_settings(config) -> dict[str, Any]:
     """What an engine needs from an M2POConfig, as plain picklable values."""
@@ -66,6 +70,7 @@ class EngineHost:
         # local runner, the copy an in-place engine restart reloads. A remote runner drops
         # them once loaded: a restart replaces the whole actor.
         self._pending: tuple[dict, int] | None = None
+        self._said_no_sleep = False
 
     # -- the engine's life ----------------------------------------------------------------
     @property
@@ -101,6 +106,9 @@ class EngineHost:
         kwargs.setdefault("dtype", settings["dtype"])
         if settings["kind"] == "vllm":
             kwargs.setdefault("weight_transport", settings["weight_transport"])
+            if self.config.colocate:  # the learner's GPU: a share of its memory, given back during updates
+                kwargs.setdefault("sleep_mode", True)
+                kwargs.setdefault("gpu_memory_utilization", COLOCATED_GPU_MEMORY_UTILIZATION)
             if self.worker_index > 0:
                 kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
         if self.seed is not None:
@@ -134,6 +142,24 @@ class EngineHost:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = self.scorer = None
+
+    # -- sleep (colocate=True) ---------------------------------------------------------------
+    def sleep(self) -> bool:
+        """Frees the engine's accelerator memory while the learner beside it updates. False
+        when it stays awake: not started yet, or no sleep mode here (said once in the log)."""
+        if self._engine is None:
+            return False
+        if self._engine.sleep():
+            return True
+        if not self._said_no_sleep:
+            self._said_no_sleep = True
+            logger.warning("colocate: the rollout engine stays awake during the learner's updates (%s); the sleep "
+                           "step is skipped", self._engine.sleep_unavailable)
+        return False
+
+    def wake_up(self) -> None:
+        if self._engine is not None:
+            self._engine.wake_up()
 
     @property
     def served_version(self) -> int:

@@ -154,6 +154,13 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
         return self.host.receive(update_info, version)
 
+    # -- colocate=True: the driver puts the engine to sleep around each learner update ----------
+    def m2po_sleep(self) -> bool:
+        return self.host.sleep()
+
+    def m2po_wake_up(self) -> None:
+        self.host.wake_up()
+
     # -- RLlib EnvRunner API ----------------------------------------------------------------
     @override(EnvRunner)
     def assert_healthy(self):

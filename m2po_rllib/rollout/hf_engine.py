@@ -74,6 +74,8 @@ def find_stop(text: str, stop: list[str]) -> int | None:
 class HFEngine(GenerationEngine):
     """A transformers causal LM that samples `SamplingConfig` batches on one device."""
 
+    sleep_unavailable = "the HF engine has no sleep mode; rollout_engine='vllm' on a GPU has one"
+
     def __init__(
         self,
         model_path: str,

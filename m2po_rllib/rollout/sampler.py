@@ -28,6 +28,7 @@ Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and coun
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -135,6 +136,25 @@ class RolloutSampler:
         `version`: with max_staleness="auto", the bound for the next requests follows."""
         if self.staleness is not None and by_age:
             self.staleness.observe(by_age, version)
+
+    @contextlib.contextmanager
+    def engines_asleep(self, log: Callable[[str, float], None]):
+        """Around a learner update with `colocate=True`: the engines sleep (their GPU memory
+        goes to the learner beside them) and wake after it. `log(key, seconds)` gets the
+        seconds both took (0 where the engines have no sleep mode). Otherwise does nothing."""
+        if not self.config.colocate:
+            yield
+            return
+        local = not self.remote
+        t0 = time.perf_counter()
+        self.runners.foreach_env_runner(lambda runner: runner.m2po_sleep(), local_env_runner=local)
+        log(keys.ENGINE_SLEEP_S, time.perf_counter() - t0)
+        try:
+            yield
+        finally:
+            t0 = time.perf_counter()
+            self.runners.foreach_env_runner(lambda runner: runner.m2po_wake_up(), local_env_runner=local)
+            log(keys.ENGINE_WAKE_S, time.perf_counter() - t0)
 
     # -- synchronous ---------------------------------------------------------------------
     def sample(self, weights: PublishedWeights) -> tuple[Rollout, list[dict], float]:

@@ -78,6 +78,7 @@ class VLLMEngine(GenerationEngine):
         weight_transport: str = "object_store",
         shutdown_timeout_s: float = 30.0,
         num_threads: int | None = None,
+        sleep_mode: bool = False,
         **llm_kwargs,
     ):
         """Defaults are chosen per platform:
@@ -99,6 +100,10 @@ class VLLMEngine(GenerationEngine):
         - `num_threads`: CPU only: the worker's OpenMP threads, unbound (the EnvRunner passes
           its CPU allocation; vLLM's own "auto" binding would pin threads to cores that other
           processes of the job use). None keeps vLLM's binding.
+        - `sleep_mode`: build vLLM with its sleep mode (`enable_sleep_mode`), so that `sleep()`
+          offloads the weights to CPU and frees the KV cache (level 1) while a colocated
+          learner updates. Where vLLM has none (CPU), `sleep()` does nothing and
+          `sleep_unavailable` says so.
         Other keyword arguments go to `vllm.LLM` unchanged. vLLM logs warnings only, less
         the advisories of `log_filters.VLLM_ADVISORIES`, unless they set its logging
         (`log_level="INFO"`) or the environment does (VLLM_LOGGING_LEVEL).
@@ -130,6 +135,14 @@ class VLLMEngine(GenerationEngine):
                 os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
         elif gpu_memory_utilization is not None:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.sleep_unavailable = (
+            "built without sleep_mode" if not sleep_mode
+            else None if current_platform.is_sleep_mode_available()
+            else f"vLLM has no sleep mode on {current_platform.device_type} (CUDA, ROCm and XPU have one)"
+        )
+        if self.sleep_unavailable is None:
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        self._asleep = False
         self.shutdown_timeout_s = shutdown_timeout_s
         self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
@@ -176,6 +189,7 @@ class VLLMEngine(GenerationEngine):
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
         self._check_alive()
+        self.wake_up()  # a sleeping engine serves nothing (colocated: woken after the update)
         if not prompt_token_ids:
             return []
         if sampling.seed is None:
@@ -212,6 +226,23 @@ class VLLMEngine(GenerationEngine):
             logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
             completions.append(Completion(token_ids, logprobs, c.text, c.finish_reason))
         return completions
+
+    # --- sleep (colocated training) ---------------------------------------------------------
+
+    def sleep(self) -> bool:
+        """vLLM's sleep, level 1: weights offloaded to CPU, KV cache (and prefix cache) freed."""
+        if self.sleep_unavailable is not None:
+            return False
+        self._check_alive()
+        if not self._asleep:
+            self._call(self.llm.sleep, level=1)
+            self._asleep = True
+        return True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._call(self.llm.wake_up)
+            self._asleep = False
 
     # --- weights --------------------------------------------------------------------------
 
@@ -250,6 +281,7 @@ class VLLMEngine(GenerationEngine):
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights) -> None:
         self._check_alive()
+        self.wake_up()  # the weights load into the woken model (level 1 kept the old ones on CPU)
         native = isinstance(weights, BroadcastWeights)
         transport = self.native if native else self.object_store
         if transport is None:

@@ -7,7 +7,7 @@ child process that waits on a pipe from this process: the pipe closes when this 
 ends, however it ends, and the child then kills exactly the processes it was given and
 their descendants, by PID, each checked against its start time so that a PID the system
 has since reused is left alone. Linux only (it reads /proc); elsewhere it does nothing.
-Run as `python -m m2po_rllib.jobs.ray_watchdog PID:START ...` with the pipe on stdin.
+Run as `python -m m2po_rllib.ray_watchdog PID:START ...` with the pipe on stdin.
 """
 
 from __future__ import annotations
@@ -55,9 +55,38 @@ def watch(pids: list[int]) -> subprocess.Popen | None:
         return None
     marked = [f"{pid}:{t}" for pid in descendants(pids) if (t := start_time(pid))]
     return subprocess.Popen(
-        [sys.executable, "-m", "m2po_rllib.jobs.ray_watchdog", *marked],
+        [sys.executable, "-m", "m2po_rllib.ray_watchdog", *marked],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
     )
+
+
+_WATCHDOG = []  # the watchdog's Popen: its pipe stays open for as long as this process lives
+
+
+def started_here() -> bool:
+    """This process started the Ray it is connected to (a local head), rather than joining one."""
+    import ray
+
+    return bool(getattr(ray._private.worker, "_global_node", None) and ray._private.worker._global_node.head)
+
+
+def end_with_this_process() -> None:
+    """The local Ray this process started ends with it, a kill -9 included: a watchdog over
+    the Ray processes (GCS, raylet and what they start). Used by `m2po train` and the lab
+    (`jobs/local_ray.py`) and by a script's `build_algo()` that started Ray (`resources.py`)."""
+    import logging
+
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+    except Exception as e:  # a Ray whose internals changed: without the watchdog
+        logging.getLogger(__name__).debug("no watchdog for the local Ray: %s", e)
+        return
+    watchdog = watch(pids)
+    if watchdog is not None:
+        _WATCHDOG.append(watchdog)
 
 
 def _main(marked: list[str]) -> None:

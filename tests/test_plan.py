@@ -182,3 +182,57 @@ def test_a_micro_batch_of_one_is_not_offered_lower():
     assert recommend_text(p) == "set training.micro_batch_size=1; DDP then fits"
     p["largest_micro_batch"] = {"ddp": 2, "fsdp": 2}
     assert recommend_text(p) == "set training.micro_batch_size=2 (or lower); DDP then fits"
+
+
+# -- configs sized for one GPU and one node of 8 ---------------------------------------------------
+SIZED = {  # config: the GPUs it was sized for (its header says so)
+    "qwen3_1.7b_1gpu_colocated": 1, "qwen3_1.7b_node8_async": 8, "qwen2.5_math_7b_node8": 8,
+}
+
+
+@pytest.mark.parametrize("name, gpus", SIZED.items())
+def test_the_configs_sized_for_one_gpu_or_one_node_fit_it(name, gpus):
+    path = str(CONFIGS / f"{name}.yaml")
+    assert f"Sized for: ONE {'80 GB GPU' if gpus == 1 else 'NODE of 8 x 80 GB GPUs'}" in Path(path).read_text()
+    p = plan(path, gpu_memory_gb=80, gpus=gpus)
+    assert p["gpus_needed"] == gpus and p["fits"][p["sharding"]], path
+    assert recommend_text(p).startswith("fits as configured"), recommend_text(p)
+    assert (p["colocated"] is not None) == (gpus == 1) and (p["colocated"] is None or p["colocated"]["fits"])
+    fewer = plan(path, gpu_memory_gb=80, gpus=gpus - 1)
+    assert "Ray would never place it there" in format_text(fewer)
+
+
+def format_text(p):
+    from m2po_rllib.jobs.plan import format_plan
+
+    return format_plan(p)
+
+
+def test_the_colocated_gpu_holds_the_learner_states_beside_vllm_and_says_what_to_lower():
+    path = str(CONFIGS / "qwen3_1.7b_1gpu_colocated.yaml")
+    p = plan(path, gpu_memory_gb=80, gpus=1)
+    c, shape = p["colocated"], p["model"]
+    # rollouts: fp32 weights, gradients and AdamW moments (16 bytes a parameter) + vLLM's share
+    assert c["learner_states"] == 16 * shape.num_params and c["engine"] == 0.5 * 80 * GiB
+    assert c["rollouts"] == c["learner_states"] + c["engine"]
+    assert c["updates"] == sum(p["memory"]["ddp"].values())  # vLLM asleep: the learner's peak alone
+    # bf16 KV cache of Qwen3-1.7B: 2 (K, V) x 28 layers x 8 heads x 128 x 2 bytes a token
+    assert c["kv_tokens"] == (c["engine"] - 2 * shape.num_params) / (2 * 28 * 8 * 128 * 2)
+    assert c["max_utilization"] == pytest.approx((HEADROOM * 80 * GiB - c["learner_states"]) / (80 * GiB))
+    text = format_text(p)
+    assert "rollouts: learner states 25.6 + vLLM 0.5 x 80 = 40.0 GiB" in text and "(vLLM asleep): fits" in text
+    # vLLM asking for more than the learner leaves: the arithmetic and the setting to lower
+    greedy = plan(path, gpu_memory_gb=80, gpus=1, overrides=["env_runners.engine_kwargs.gpu_memory_utilization=0.8"])
+    assert not greedy["colocated"]["fits"] and "-> 89.6 GiB: does not fit" in format_text(greedy)
+    assert recommend_text(greedy) == (
+        f"set env_runners.engine_kwargs.gpu_memory_utilization={c['max_utilization'] - 0.005:.2f} (or lower): "
+        "the learner's states stay on the GPU while vLLM serves")
+    # At micro-batch 1 the update (28.9 GiB) fits 32.6 GB (29.3 usable), but beside the states
+    # (25.6) vLLM would have 3.7 GiB, less than its weights (3.2) and one sequence's KV cache
+    # (0.56); at 33 GB (4.1 GiB left) it has room, at a utilization the plan names
+    small = plan(path, gpu_memory_gb=32.6, gpus=1, overrides=["training.micro_batch_size=1"])
+    assert small["fits"]["ddp"] and not small["colocated"]["fits"]
+    assert recommend_text(small).startswith("the learner's states leave the engine no room")
+    roomy = plan(path, gpu_memory_gb=33, gpus=1, overrides=["training.micro_batch_size=1"])
+    most = (0.9 * 33 * GiB - roomy["colocated"]["learner_states"]) / (33 * GiB)
+    assert recommend_text(roomy).startswith(f"set env_runners.engine_kwargs.gpu_memory_utilization={most - 0.005:.2f} ")

@@ -209,7 +209,8 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
         return estimate_learner_memory(
             shape, dtype_bytes=_DTYPE_BYTES[dtype], micro_batch_size=micro_batch, seq_len=seq_len,
             chunk_size=chunk, gradient_checkpointing=bool(model_config.get("gradient_checkpointing")),
-            num_learners=learners, ddp_bucket_copy=not ddp_kwargs.get("gradient_as_bucket_view", False),
+            # RLlib wraps the module in DDP only with several learners
+            num_learners=learners, ddp_bucket_copy=learners > 1 and not ddp_kwargs.get("gradient_as_bucket_view", False),
         )
 
     gpus_needed = sum(b.get("GPU", 0) for b in bundles)
@@ -223,6 +224,15 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
     memory = parts_for(micro)
     fits = {mode: sum(parts.values()) <= limit for mode, parts in memory.items()}
     best = {mode: largest_micro_batch(lambda m, mode=mode: parts_for(m)[mode], limit, per_learner) for mode in memory}
+    engine_kwargs = dict(config.engine_kwargs or {})
+    engine_dtype = engine_kwargs.get("dtype", dtype)
+    colocated = None
+    if config.colocate:
+        from m2po_rllib.rollout.engine_host import COLOCATED_GPU_MEMORY_UTILIZATION
+
+        util = float(engine_kwargs.get("gpu_memory_utilization", COLOCATED_GPU_MEMORY_UTILIZATION))
+        colocated = colocated_memory(shape, memory["ddp"], util=util, device=gpu_memory_gb * GiB, limit=limit,
+                                     engine_dtype_bytes=_DTYPE_BYTES.get(engine_dtype, 2), seq_len=seq_len)
     return {
         "config": config_path, "groups": groups, "bundles": bundles, "dtype": dtype, "model": shape,
         "micro_batch_size": micro, "per_learner_sequences": per_learner, "logp_chunk_size": chunk,
@@ -231,7 +241,34 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
         "largest_micro_batch": best, "engine_gpu_memory_utilization": (config.engine_kwargs or {}).get("gpu_memory_utilization"),
         "rollout_engine": config.resolved_rollout_engine() if config.rollout_engine != "auto" else "auto",
         "engine_dtype": (config.engine_kwargs or {}).get("dtype", dtype), "minibatch_sequences": config.minibatch_prompts * config.group_size,
-        "gpus_needed": gpus_needed, "gpus": gpus, "gpus_from": gpus_from,
+        "gpus_needed": gpus_needed, "gpus": gpus, "gpus_from": gpus_from, "colocated": colocated,
+    }
+
+
+LEARNER_STATES = ("weights (fp32 master)", "gradients (fp32)", "AdamW moments (fp32)")
+
+
+def colocated_memory(m: ModelShape, learner: dict[str, float], *, util: float, device: float, limit: float,
+                     engine_dtype_bytes: int, seq_len: int) -> dict[str, float | bool]:
+    """One GPU holding the learner and a vLLM engine that sleeps during updates
+    (`colocate=True`): the two phases' bytes against `limit`.
+
+    rollouts: the learner's states stay (fp32 weights, gradients, AdamW moments: 16 P) and
+      vLLM takes `util` x device (its weights in the served dtype, the rest KV cache:
+      2 L kv b bytes a token);
+    updates: the learner's peak (`learner`, the estimate above); the engine asleep holds no
+      weights or KV cache (its CUDA context, ~0.5 GiB, is inside the headroom)."""
+    states = sum(learner[k] for k in LEARNER_STATES)
+    engine = util * device
+    engine_weights = m.num_params * engine_dtype_bytes
+    kv_per_token = 2 * m.layers * m.kv_dim * engine_dtype_bytes
+    kv_tokens = max(0.0, engine - engine_weights) / kv_per_token
+    rollouts, updates = states + engine, sum(learner.values())
+    return {
+        "utilization": util, "learner_states": states, "engine": engine, "engine_weights": engine_weights,
+        "kv_per_token": kv_per_token, "kv_tokens": kv_tokens, "kv_sequences": kv_tokens / seq_len, "rollouts": rollouts, "updates": updates,
+        "fits": rollouts <= limit and updates <= limit and kv_tokens >= seq_len,
+        "max_utilization": max(0.0, (limit - states) / device),
     }
 
 
@@ -240,10 +277,18 @@ def _resources(bundle: dict) -> str:
 
 
 def recommendation(p: dict) -> str:
+    c = p.get("colocated")
+    if c and p["fits"][p["sharding"]] and not c["fits"]:  # the update fits: the engine's share is the problem
+        if c["max_utilization"] * p["gpu_memory_gb"] * GiB < c["engine_weights"] + p["seq_len"] * c["kv_per_token"]:
+            return ("the learner's states leave the engine no room for its weights and one sequence's KV cache: "
+                    "use a larger GPU, or colocate=False with the engine on a GPU of its own")
+        return (f"set env_runners.engine_kwargs.gpu_memory_utilization={c['max_utilization'] - 0.005:.2f} (or lower): "
+                "the learner's states stay on the GPU while vLLM serves")
     micro, best, n, mode = p["micro_batch_size"], p["largest_micro_batch"], max(1, p["num_learners"]), p["sharding"]
     if p["fits"][mode]:
         over = f" over {n} learners" if mode == "fsdp" else ""
-        return f"fits as configured ({mode.upper()}{over}, micro_batch_size={micro})"
+        beside = f", vLLM at gpu_memory_utilization {c['utilization']:g} beside it" if c else ""
+        return f"fits as configured ({mode.upper()}{over}, micro_batch_size={micro}{beside})"
     if best[mode]:
         lower = " (or lower)" if best[mode] > 1 else ""
         return f"set training.micro_batch_size={best[mode]}{lower}; {mode.upper()} then fits"
@@ -318,8 +363,19 @@ def format_plan(p: dict) -> str:
         f"Recommendation: {recommendation(p)}",
         f"  * this config runs {p['sharding'].upper()} (training.learner_sharding)",
     ]
+    c = p["colocated"]
+    if c:
+        usable_gib, fit = HEADROOM * p["gpu_memory_gb"], lambda b: "fits" if b <= HEADROOM * p["gpu_memory_gb"] * GiB else "does not fit"
+        lines += [
+            f"Colocated GPU (colocate=True: vLLM beside the learner, asleep during updates; {usable_gib:.0f} GiB usable):",
+            f"  rollouts: learner states {c['learner_states'] / GiB:.1f} + vLLM {c['utilization']:g} x {p['gpu_memory_gb']:g} = "
+            f"{c['engine'] / GiB:.1f} GiB (weights {c['engine_weights'] / GiB:.1f}, KV cache {c['kv_tokens'] / 1e3:.0f}K tokens = "
+            f"{c['kv_sequences']:.0f} sequences of {p['seq_len']}) -> {c['rollouts'] / GiB:.1f} GiB: {fit(c['rollouts'])}",
+            f"  updates: the learner's peak {c['updates'] / GiB:.1f} GiB (vLLM asleep): {fit(c['updates'])}",
+            f"  vLLM may take up to gpu_memory_utilization {c['max_utilization']:.2f} beside the learner's states",
+        ]
     util = p["engine_gpu_memory_utilization"]
-    if p["rollout_engine"] == "vllm" and util:
+    if p["rollout_engine"] == "vllm" and util and not c:
         weights = m.num_params * _DTYPE_BYTES.get(p["engine_dtype"], 2) / GiB
         lines.append(f"EnvRunner GPU: vLLM takes {util:g} x {p['gpu_memory_gb']:g} = {util * p['gpu_memory_gb']:.0f} GiB; weights {weights:.1f} GiB, the rest KV cache")
     return "\n".join(lines)

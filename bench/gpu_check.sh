@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The first short GPU run (<= 8 minutes on one H200), from the repo root of a bare machine:
+# The short GPU run (<= 10 minutes on one H100/H200), from the repo root of a bare machine:
 #   bash bench/gpu_check.sh [--dry-run]
 # Installs the GPU extras unless vllm already imports, then writes under ${OUT:-bench/results/gpu}:
 #   nvidia-smi.txt, vllm.json/.log (bench/gpu_vllm_check.py: a 1.5B-shaped model in vLLM, the
 #   runner engine's tokens/s against raw vLLM generate, weight-sync seconds by the object store
 #   and the native path: NCCL with 2+ GPUs, gloo with one), learner.json/.log
-#   (bench/gpu_learner_check.py), then prints one table and writes bench/results/gpu.json
+#   (bench/gpu_learner_check.py), train.json/.log (bench/gpu_train_check.py: the one-GPU config,
+#   vLLM colocated with the learner, trained for ~1 minute on a random Qwen3-1.7B-layout model),
+#   then prints one table and writes bench/results/gpu.json
 #   (bench/gpu_summary.py). --dry-run prints the steps without running them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +18,8 @@ DRY_RUN=0
 if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
 else PY=python3; fi
-# Seconds per step; the whole run stays under 8 minutes even when every step hits its cap.
-INSTALL_S=120 VLLM_S=260 LEARNER_S=90
+# Seconds per step; the whole run stays under 10 minutes even when every step hits its cap.
+INSTALL_S=120 VLLM_S=220 LEARNER_S=90 TRAIN_S=160 SUMMARY_S=10
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a time cap, logs to $OUT/NAME.log
   local name=$1 seconds=$2; shift 2
@@ -48,6 +50,7 @@ if [[ -f bench/gpu_learner_check.py ]]; then
 else
   echo "[gpu_check] bench/gpu_learner_check.py not present: skipped"
 fi
-step summary 10 "$PY" bench/gpu_summary.py "$OUT" --out bench/results/gpu.json || status=1
+step train "$TRAIN_S" "$PY" bench/gpu_train_check.py --minutes 1.2 --out "$OUT/train.json" || status=1
+step summary "$SUMMARY_S" "$PY" bench/gpu_summary.py "$OUT" --out bench/results/gpu.json || status=1
 echo "[gpu_check] done (status $status); results in $OUT and bench/results/gpu.json"
 exit $status

@@ -1,5 +1,5 @@
 """The GPU check's table: reads what bench/gpu_check.sh's steps wrote under OUT (vllm.json,
-learner.json), prints one table and writes bench/results/gpu.json.
+learner.json, train.json), prints one table and writes bench/results/gpu.json.
 
     python bench/gpu_summary.py bench/results/gpu [--out bench/results/gpu.json]
 """
@@ -16,6 +16,36 @@ def _load(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+# The issue's goals on one H100/H200, beside what was measured.
+GOALS = {"weight_load_s": "< 1 s", "mfu": ">= 0.30", "peak_vs_plan": "within 10% of 1.0"}
+
+
+def train_rows(train: dict) -> list[tuple[str, str]]:
+    """bench/gpu_train_check.py's figures (train.json)."""
+    if not train:
+        return []
+    s = train.get("summary", {})
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    out = [
+        ("train: config", f"{train.get('config')} ({train.get('mode')}, {train.get('device', {}).get('name')})"),
+        ("train: iterations, updates", f"{s.get('iterations', 0)}, {s.get('updates', 0)}"),
+        ("train: updates/s", fmt(s.get("updates_per_s"), ".3f")),
+        ("train: rollout tokens/s", fmt(s.get("rollout_tokens_per_s"), ".0f")),
+        ("train: weight load s", f"{fmt(s.get('weight_load_s'), '.3f')} (goal {GOALS['weight_load_s']})"),
+        ("train: engine sleep / wake s", f"{fmt(s.get('engine_sleep_s'), '.2f')} / {fmt(s.get('engine_wake_s'), '.2f')}"),
+        ("train: learner MFU", f"{fmt(s.get('mfu'), '.3f')} (goal {GOALS['mfu']})"),
+        ("train: peak GPU memory GiB", f"{fmt(train.get('peak_gpu_memory_gib'), '.1f')} against the plan's "
+                                       f"{fmt(train.get('plan', {}).get('peak_gib'), '.1f')} (ratio "
+                                       f"{fmt(train.get('peak_vs_plan'), '.2f')}, goal {GOALS['peak_vs_plan']})"),
+        ("train: log-prob mismatch mean / max", f"{fmt(s.get('logp_mismatch_mean'), '.2e')} / "
+                                                f"{fmt(s.get('logp_mismatch_max'), '.2e')}"),
+    ]
+    return out
 
 
 def rows(vllm: dict, learner: dict) -> list[tuple[str, str]]:
@@ -49,12 +79,13 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/gpu.json")
     args = p.parse_args()
     results = Path(args.results)
-    vllm, learner = _load(results / "vllm.json"), _load(results / "learner.json")
-    table = rows(vllm, learner)
+    vllm, learner, train = _load(results / "vllm.json"), _load(results / "learner.json"), _load(results / "train.json")
+    table = rows(vllm, learner) + train_rows(train)
     width = max((len(k) for k, _ in table), default=0)
     for key, value in table:
         print(f"{key:<{width}}  {value}")
-    Path(args.out).write_text(json.dumps({"vllm": vllm, "learner": learner, "table": dict(table)}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"vllm": vllm, "learner": learner, "train": train, "table": dict(table)},
+                                         indent=2) + "\n")
     print(f"[gpu_summary] wrote {args.out}")
     return 0 if vllm else 1
 

@@ -175,14 +175,13 @@ def actors_placed(config, bundles: list[dict]):
     from m2po_rllib.ray_watchdog import started_here
 
     check_local_learner_gpus(config)
+    if not ray.is_initialized():
+        # RLlib starts a plain one anyway (EnvRunnerGroup's first `ray.put`, actors or not), as
+        # does Ray's own placement-group call below: this one ends with this process
+        init_ray_for_api()
     need = requested(bundles)
-    if not any(need.values()):
-        yield  # no actors
-        return
-    if not ray.is_initialized():  # (Ray's own calls, the next one included, would start a plain one)
-        init_ray_for_api()  # what Ray does on the first actor anyway; the check needs the cluster
-    if ray.util.get_current_placement_group() is not None:
-        yield  # a Tune trial whose placement group holds them
+    if not any(need.values()) or ray.util.get_current_placement_group() is not None:
+        yield  # no actors, or a Tune trial whose placement group holds them
         return
     local = started_here()
     check_actors_fit(config, bundles, cluster=ray.cluster_resources(), local=local)

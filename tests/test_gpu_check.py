@@ -1,0 +1,53 @@
+"""bench/gpu_check.sh, the prepared GPU run, on this CPU machine: its steps and their caps
+(--dry-run), and the end-to-end training step in its CPU form (a tiny Qwen3, the HF engine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_S = 600  # the whole check: 10 minutes of a lent GPU
+
+
+def test_the_dry_run_lists_every_step_and_the_caps_fit_ten_minutes(tmp_path):
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "OUT": str(tmp_path / "gpu")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = dict(re.findall(r"^\[gpu_check\] (\w+) \(at most (\d+)s\)", proc.stdout, flags=re.M))
+    assert {"vllm", "learner", "train", "summary"} <= set(steps), proc.stdout
+    assert "bench/gpu_train_check.py" in proc.stdout
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    install = int(re.search(r"INSTALL_S=(\d+)", script).group(1))  # skipped where vllm imports, as here
+    assert install + sum(int(s) for s in steps.values()) <= BUDGET_S
+    assert not (tmp_path / "gpu" / "train.json").exists()  # a dry run runs nothing
+
+
+@pytest.mark.slow
+def test_the_training_step_trains_the_one_gpu_config_and_the_summary_shows_it(tmp_path):
+    """The CPU form of gpu_train_check.py: the one-GPU config (colocated) through the RLlib API
+    on a tiny model of Qwen3-1.7B's layout, 3 iterations; then the summary's table."""
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, "bench/gpu_train_check.py", "--dry-run", "--out", str(out / "train.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "train.json").read_text())
+    assert report["mode"] == "dry-run" and report["config"] == "configs/qwen3_1.7b_1gpu_colocated.yaml"
+    assert report["model"]["layout"].startswith("Qwen3-1.7B-Base")
+    records, summary = report["records"], report["summary"]
+    # staleness 2 = 1 step of lag at 2 updates a step: the queue fills, then every step trains
+    assert [r["policy_version"] for r in records] == [0, 2, 4] and summary["updates"] == 4
+    assert summary["updates_per_s"] > 0 and summary["rollout_tokens_per_s"] > 0 and summary["learner_tokens_per_s"] > 0
+    # colocated: the sleep and wake are timed around each update (skipped on CPU, said in the log)
+    assert [r["rollout/engine_sleep_s"] is not None for r in records] == [False, True, True]
+    assert "the sleep step is skipped" in proc.stderr
+    assert report["peak_gpu_memory_gib"] is None and "mfu" not in summary  # no GPU here
+    summary_proc = subprocess.run([sys.executable, "bench/gpu_summary.py", str(out), "--out", str(tmp_path / "g.json")],
+                                  cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert re.search(r"^train: iterations, updates +3, 4$", summary_proc.stdout, flags=re.M), summary_proc.stdout
+    assert json.loads((tmp_path / "g.json").read_text())["train"]["summary"] == summary

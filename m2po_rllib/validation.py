@@ -21,6 +21,7 @@ Check = Callable[[object], list[Problem]]
 
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+HEAD_DTYPES = (None, "float32")
 MODEL_DTYPES = ("float32", "bfloat16")  # fp16 would need a gradient scaler; bf16 has fp32's range
 
 # The type each M2PO setting (and the RLlib settings M2PO reads) must have.
@@ -239,6 +240,13 @@ def check_model_and_env(config) -> list[Problem]:
                     "runners tokenize every prompt with the policy's own; save it beside the weights "
                     "(`tokenizer.save_pretrained(dir)`)",
                 ))
+    if model_config.get("head_dtype") not in HEAD_DTYPES:
+        out.append(problem(
+            "model_config",
+            f"model_config['head_dtype'] ({model_config.get('head_dtype')!r}) must be None (the head computes in "
+            "the model's dtype) or 'float32' (the learner's and the engines' LM head in fp32: closer log-probs "
+            "between a bf16 engine and the learner)",
+        ))
     if model_config.get("dtype") not in MODEL_DTYPES:
         out.append(problem(
             "model_config", f"model_config['dtype'] ({model_config.get('dtype')!r}) must be one of {list(MODEL_DTYPES)}"

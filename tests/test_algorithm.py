@@ -280,6 +280,12 @@ def test_an_unknown_env_id_suggests_the_close_one(tiny_model_dir):
     tiny_config(tiny_model_dir).environment("envs:m2po/Arithmetic-v0").validate()  # gym.make's module:id form
 
 
+def test_the_head_dtype_is_float32_or_the_models(tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"model_config\['head_dtype'\] \('bfloat16'\) must be None"):
+        tiny_config(tiny_model_dir).rl_module(model_config={"model": tiny_model_dir, "head_dtype": "bfloat16"}).validate()
+    tiny_config(tiny_model_dir).rl_module(model_config={"model": tiny_model_dir, "head_dtype": "float32"}).validate()
+
+
 def test_validate_requires_model_and_accepts_good_config(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir)
     cfg.validate()  # a consistent config passes

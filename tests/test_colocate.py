@@ -51,7 +51,7 @@ def _run(config, iterations: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_colocated_stale_k_trains_exactly_as_the_plain_run(tiny_model_dir, caplog):
+def test_colocated_stale_k_trains_exactly_as_the_plain_run(ray_session, tiny_model_dir, caplog):
     """HF engine: the same losses and versions as colocate=False (the sleep only frees memory),
     the sleep and wake timed around each update and only then, the skipped sleep said once."""
     plain = _run(tiny_config(tiny_model_dir, staleness=2), 4)
@@ -69,14 +69,24 @@ def test_colocated_stale_k_trains_exactly_as_the_plain_run(tiny_model_dir, caplo
 
 
 @pytest.mark.slow
-def test_colocated_vllm_on_cpu_trains_with_the_sleep_step_skipped(tiny_model_dir, caplog):
+def test_colocated_vllm_on_cpu_trains_with_the_sleep_step_skipped(ray_session, tiny_model_dir, caplog):
     """vLLM in the learner's process, built with its sleep mode asked for: on CPU vLLM has none,
-    so training runs end to end awake, and the log says why once."""
+    so training runs end to end awake, and the log says why once. (With the LM head in fp32 on
+    both sides, `model_config["head_dtype"]`: vLLM's own config carries it.)"""
     pytest.importorskip("vllm")
+    import torch
+
     config = tiny_config(tiny_model_dir, staleness=2).env_runners(
-        colocate=True, rollout_engine="vllm", engine_kwargs={"kv_cache_space_gb": 1, "max_model_len": 64})
+        colocate=True, rollout_engine="vllm", engine_kwargs={"kv_cache_space_gb": 1, "max_model_len": 64}
+    ).rl_module(model_config={"model": tiny_model_dir, "head_dtype": "float32"})
     with caplog.at_level(logging.WARNING):
-        results = _run(config, 3)
+        algo = config.build_algo()
+        try:
+            results = [algo.train() for _ in range(3)]
+            assert algo.env_runner.engine.llm.llm_engine.model_config.head_dtype == torch.float32
+            assert algo.get_module().head_dtype == torch.float32
+        finally:
+            algo.stop()
     assert [r[keys.POLICY_VERSION] for r in results] == [0, 2, 4]
     assert np.isfinite(results[-1]["learners"]["default_policy"]["policy/loss"])
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(SKIPPED)]

@@ -244,6 +244,38 @@ def test_the_learner_replays_truncated_sampling_on_policy(engine, prompt_ids, ti
     assert (plain - engine_logp)[mask].abs().max() > 1e-2
 
 
+def test_the_hf_engine_computes_its_head_in_fp32_when_asked(tiny_model_dir, prompt_ids):
+    """bf16 engine, `head_dtype="float32"`: the logits it samples from (`_forward`, every
+    position of the vocabulary) are the fp32 head's on the bf16 decoder's last hidden state
+    (vLLM's rule: hidden states and weights cast up); with no head_dtype, the bf16 head's,
+    which differ from them by bf16's rounding of the logits. Greedy log-probs follow."""
+    from _tolerance import accumulation_rtol
+
+    prompt = torch.tensor([prompt_ids[0]])
+    args = (prompt, torch.ones_like(prompt), torch.arange(prompt.shape[1])[None], None)
+    engines = {head: make_engine("hf", tiny_model_dir, dtype="bfloat16", head_dtype=head) for head in ("float32", None)}
+    try:
+        with torch.no_grad():
+            logits = {head: e._forward(*args)[0][0] for head, e in engines.items()}
+            model = engines[None].model
+            hidden = model.get_decoder()(input_ids=prompt).last_hidden_state[0, -1].float()
+            weight = model.get_output_embeddings().weight.float()
+            greedy = engines["float32"].generate([prompt_ids[0]], SamplingConfig(n=1, temperature=0.0, max_tokens=1))
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    fp32 = hidden @ weight.T
+    # fp32 sums over H in another order: gamma_H times the sum of |h_k w_k| per logit
+    bound = accumulation_rtol(torch.float32, hidden.shape[0]) * float((hidden.abs() @ weight.abs().T).max())
+    assert logits["float32"].dtype == torch.float32
+    torch.testing.assert_close(logits["float32"], fp32, rtol=0, atol=bound)
+    assert (logits[None].float() - fp32).abs().max() > 10 * bound  # the bf16 head's rounding
+    token = int(fp32.argmax())
+    assert greedy[0][0].token_ids == [token]
+    lse_bound = 2 * bound + accumulation_rtol(torch.float32, weight.shape[0])  # + the log-sum-exp's own sum
+    assert greedy[0][0].logprobs[0] == pytest.approx(float(torch.log_softmax(fp32, -1)[token]), abs=lse_bound)
+
+
 def test_the_truncation_rule_is_vllms():
     """`m2po_rllib.truncation` keeps the tokens vLLM's own sampler keeps (its PyTorch rule,
     the one vLLM runs on CPU), ties included, for top-k, top-p and both."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ BUDGET_S = 600  # the whole check: 10 minutes of a lent GPU
 
 def test_the_dry_run_lists_every_step_and_the_caps_fit_ten_minutes(tmp_path):
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**__import__("os").environ, "OUT": str(tmp_path / "gpu")})
+                          timeout=120, env={**os.environ, "OUT": str(tmp_path / "gpu")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = dict(re.findall(r"^\[gpu_check\] (\w+) \(at most (\d+)s\)", proc.stdout, flags=re.M))
     assert {"vllm", "learner", "train", "summary"} <= set(steps), proc.stdout
@@ -32,9 +33,18 @@ def test_the_dry_run_lists_every_step_and_the_caps_fit_ten_minutes(tmp_path):
 def test_the_training_step_trains_the_one_gpu_config_and_the_summary_shows_it(tmp_path):
     """The CPU form of gpu_train_check.py: the one-GPU config (colocated) through the RLlib API
     on a tiny model of Qwen3-1.7B's layout, 3 iterations; then the summary's table."""
+    import shutil
+    import tempfile
+
     out = tmp_path / "gpu"
-    proc = subprocess.run([sys.executable, "bench/gpu_train_check.py", "--dry-run", "--out", str(out / "train.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    # the script's local Ray in a temp dir of its own (short: Ray's sockets live under it)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")
+    try:
+        proc = subprocess.run([sys.executable, "bench/gpu_train_check.py", "--dry-run", "--out", str(out / "train.json")],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train.json").read_text())
     assert report["mode"] == "dry-run" and report["config"] == "configs/qwen3_1.7b_1gpu_colocated.yaml"

@@ -264,3 +264,33 @@ def test_a_target_outside_the_kept_tokens_has_log_prob_minus_inf():
         expected[i, t] = torch.isneginf(plain_truncated_logp(logits[i, P + t - 1], 5, 1.0)[batch["input_ids"][i, P + t]])
     assert expected.any() and (~expected & mask).any()  # the batch has both kinds
     assert torch.equal(torch.isneginf(logp) & mask, expected)
+
+
+def test_an_fp32_head_projects_the_bf16_hidden_states_in_fp32():
+    """`head_dtype=float32` with a bf16 compute dtype: the decoder under bf16 autocast, then the
+    head (the fp32 master weights) and the softmax in fp32, as vLLM's fp32 head does; the
+    gradient reaches the master weights. A bf16 head gives other values."""
+    from m2po_rllib.torch.logp import response_hidden_states
+
+    batch, T = padded_batch(), 0.7
+    model = tiny_model(tied=False)  # float32 master weights
+    R = batch["response_mask"].shape[1]
+    model.zero_grad(set_to_none=True)
+    logp, _ = response_logp(model, batch, T, 4, with_entropy=False, compute_dtype=torch.bfloat16,
+                            head_dtype=torch.float32)
+    pg_loss(logp, batch).backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = response_hidden_states(model, batch["input_ids"], batch["attention_mask"], R)
+    with torch.no_grad():
+        hidden, weight = hidden.float(), model.lm_head.weight
+        logits = hidden @ weight.T / T
+        targets = batch["input_ids"][:, -R:]
+        ref = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        # fp32 matmuls over H and a log-softmax over V in another order: log-probs differ by at
+        # most twice a logit's rounding, gamma_(H + V) times the sum of |h_k w_k| / T
+        bound = 2 * accumulation_rtol(torch.float32, hidden.shape[-1], V) * ((hidden.abs() @ weight.abs().T) / T).max()
+    valid = batch["response_mask"].bool()
+    torch.testing.assert_close(logp.detach()[valid], ref[valid], rtol=0, atol=float(bound))
+    bf16_head, _ = response_logp(model, batch, T, 4, with_entropy=False, compute_dtype=torch.bfloat16)
+    assert (bf16_head.detach() - logp.detach())[valid].abs().max() > 10 * bound  # the setting changes the head

@@ -33,6 +33,7 @@ def engine_settings(config) -> dict[str, Any]:
         "kind": config.resolved_rollout_engine(),
         "model": model_config.get("model"),
         "dtype": model_config["dtype"],
+        "head_dtype": model_config.get("head_dtype"),
         "engine_kwargs": dict(config.engine_kwargs or {}),
         # the training runners of a native sync build vLLM's receive path (evaluation runners
         # are not in the learner's group: the object store brings theirs)
@@ -104,6 +105,8 @@ class EngineHost:
         settings = engine_settings(self.config)
         kwargs = dict(settings["engine_kwargs"])
         kwargs.setdefault("dtype", settings["dtype"])
+        if settings["head_dtype"]:  # the LM head as the learner computes it (model_config["head_dtype"])
+            kwargs.setdefault("head_dtype", settings["head_dtype"])
         if settings["kind"] == "vllm":
             kwargs.setdefault("weight_transport", settings["weight_transport"])
             if self.config.colocate:  # the learner's GPU: a share of its memory, given back during updates

@@ -84,9 +84,12 @@ class HFEngine(GenerationEngine):
         dtype: str = "float32",
         seed: int = 0,
         attn_implementation: str = "sdpa",
+        head_dtype: str | None = None,
     ):
         """`device`: None picks cuda when available, else cpu. `seed` seeds the draws of
-        requests whose `SamplingConfig.seed` is None."""
+        requests whose `SamplingConfig.seed` is None. `head_dtype` ("float32"): the LM head in
+        that dtype (the decoder's hidden states and the head's weights cast up), as vLLM's
+        `head_dtype` and the learner's with the same setting; None: the model's dtype."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         super().__init__()
@@ -97,6 +100,8 @@ class HFEngine(GenerationEngine):
         ).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
+        head = None if head_dtype is None else getattr(torch, head_dtype)
+        self.head_dtype = None if head == self.model.dtype else head
         self._rng = torch.Generator().manual_seed(seed)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
@@ -159,14 +164,9 @@ class HFEngine(GenerationEngine):
         texts: list[str | None] = [None] * batch
         reasons: list[str | None] = [None] * batch
         active = list(range(batch))
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-        )
+        logits, past = self._forward(input_ids, attention_mask, position_ids, None)
         for _step in range(max(budgets)):
-            tokens, logps = sample_next(out.logits[:, -1], sampling, generators, active)
+            tokens, logps = sample_next(logits, sampling, generators, active)
             tokens_list, logps_list = tokens.tolist(), logps.tolist()
             still_active = []
             for row in active:
@@ -193,13 +193,7 @@ class HFEngine(GenerationEngine):
             # would cost more than it saves at these batch sizes.
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], -1)
             position_ids = position_ids[:, -1:] + 1
-            out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            logits, past = self._forward(tokens[:, None], attention_mask, position_ids, past)
 
         completions = []
         for row in range(batch):
@@ -208,6 +202,20 @@ class HFEngine(GenerationEngine):
                 text = self.tokenizer.decode(tokens_out[row], skip_special_tokens=True)
             completions.append(Completion(tokens_out[row], logps_out[row], text, reasons[row]))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def _forward(self, input_ids, attention_mask, position_ids, past):
+        """The last position's logits (B, V) and the KV cache; with `head_dtype`, the head runs
+        in it on the decoder's hidden states."""
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=past, use_cache=True)
+        if self.head_dtype is None:
+            out = self.model(**kwargs)
+            return out.logits[:, -1], out.past_key_values
+        out = self.model.get_decoder()(**kwargs)
+        head = self.model.get_output_embeddings()
+        hidden = out.last_hidden_state[:, -1].to(self.head_dtype)
+        bias = None if head.bias is None else head.bias.to(self.head_dtype)
+        return torch.nn.functional.linear(hidden, head.weight.to(self.head_dtype), bias), out.past_key_values
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._check_alive()

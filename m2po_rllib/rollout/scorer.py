@@ -37,6 +37,7 @@ class BehaviorScorer:
         top_k: int = 0,
         top_p: float = 1.0,
         chunk_size: int = 256,
+        head_dtype: torch.dtype | None = None,
         model: torch.nn.Module | None = None,
         device: str = "cpu",
         rows_per_forward: int | None = None,
@@ -58,7 +59,7 @@ class BehaviorScorer:
         self.rows_per_forward = rows_per_forward
         self.kwargs = dict(
             temperature=float(temperature), chunk_size=int(chunk_size), with_entropy=False,
-            compute_dtype=compute_dtype, top_k=int(top_k), top_p=float(top_p),
+            compute_dtype=compute_dtype, top_k=int(top_k), top_p=float(top_p), head_dtype=head_dtype,
         )
 
     @classmethod
@@ -76,6 +77,7 @@ class BehaviorScorer:
             compute_dtype=getattr(torch, config.model_config["dtype"]),
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             chunk_size=config.logp_chunk_size, model=shared, device=str(device),
+            head_dtype=getattr(torch, config.model_config["head_dtype"]) if config.model_config.get("head_dtype") else None,
             rows_per_forward=config.micro_batch_size,
         )
 

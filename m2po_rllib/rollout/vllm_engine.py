@@ -79,6 +79,7 @@ class VLLMEngine(GenerationEngine):
         shutdown_timeout_s: float = 30.0,
         num_threads: int | None = None,
         sleep_mode: bool = False,
+        head_dtype: str | None = None,
         **llm_kwargs,
     ):
         """Defaults are chosen per platform:
@@ -104,6 +105,9 @@ class VLLMEngine(GenerationEngine):
           offloads the weights to CPU and frees the KV cache (level 1) while a colocated
           learner updates. Where vLLM has none (CPU), `sleep()` does nothing and
           `sleep_unavailable` says so.
+        - `head_dtype`: "float32" computes the LM head in fp32 (vLLM's `hf_overrides`
+          `head_dtype`: the bf16 hidden states and weights cast up, fp32 logits), the learner's
+          rule with the same setting; None: the model's dtype.
         Other keyword arguments go to `vllm.LLM` unchanged. vLLM logs warnings only, less
         the advisories of `log_filters.VLLM_ADVISORIES`, unless they set its logging
         (`log_level="INFO"`) or the environment does (VLLM_LOGGING_LEVEL).
@@ -142,6 +146,8 @@ class VLLMEngine(GenerationEngine):
         )
         if self.sleep_unavailable is None:
             llm_kwargs.setdefault("enable_sleep_mode", True)
+        if head_dtype is not None:
+            llm_kwargs["hf_overrides"] = {**(llm_kwargs.get("hf_overrides") or {}), "head_dtype": head_dtype}
         self._asleep = False
         self.shutdown_timeout_s = shutdown_timeout_s
         self.last_sync_stats: dict = {}

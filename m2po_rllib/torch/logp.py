@@ -233,6 +233,7 @@ def response_logp(
     compute_dtype: torch.dtype | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(logp, entropy)`, (B, R) float32, of a batch's response tokens under `model`
     (sampled at `temperature`, truncated by `top_k` / `top_p`).
@@ -243,6 +244,8 @@ def response_logp(
     `compute_dtype` (e.g. bfloat16) runs the decoder under autocast and the head's matmuls
     in that dtype while the parameters (and their gradients, and AdamW's state) stay in
     their own dtype, float32 master weights; the softmax is float32 either way.
+    `head_dtype` (float32) runs the head's matmuls in that dtype instead (the decoder's
+    hidden states cast up), as the engines do with `model_config["head_dtype"]`.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -264,8 +267,9 @@ def response_logp(
         hidden = response_hidden_states(model, input_ids, batch["attention_mask"], response_len)
     targets = input_ids[:, input_ids.shape[1] - response_len :]  # (B, R)
     # the casts are autograd ops: the head's gradient reaches the master weights
-    weight = head.weight.to(dtype)
-    bias = None if head.bias is None else head.bias.to(dtype)
+    head_dtype = head_dtype or dtype
+    weight = head.weight.to(head_dtype)
+    bias = None if head.bias is None else head.bias.to(head_dtype)
     return chunked_logp_entropy(
-        hidden.to(dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias, top_k=top_k, top_p=top_p
+        hidden.to(head_dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias, top_k=top_k, top_p=top_p
     )

@@ -100,6 +100,9 @@ class HFCausalLMModule(TorchRLModule):
             )
         self.model_path = resolve_model_path(cfg["model"])
         self.compute_dtype = _DTYPES[cfg["dtype"]]
+        # the LM head's dtype when it differs from the compute dtype (float32: as the engines'
+        # with the same setting, so that their log-probs and these agree more closely)
+        self.head_dtype = _DTYPES[cfg["head_dtype"]] if cfg.get("head_dtype") else None
         self.temperature = float(cfg["temperature"])
         self.top_k, self.top_p = int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
         self.logp_chunk_size = int(cfg["logp_chunk_size"])
@@ -130,7 +133,8 @@ class HFCausalLMModule(TorchRLModule):
         """`(logp, entropy)` of the batch's response tokens, each `(B, R)` float32, with
         memory bounded by `logp_chunk_size` (`m2po_rllib.torch.logp`)."""
         kwargs = dict(temperature=self.temperature, chunk_size=self.logp_chunk_size, with_entropy=with_entropy,
-                      compute_dtype=self.compute_dtype, top_k=self.top_k, top_p=self.top_p)
+                      compute_dtype=self.compute_dtype, top_k=self.top_k, top_p=self.top_p,
+                      head_dtype=self.head_dtype)
         if self._sharded_root is None:
             return chunked_response_logp(self.model, batch, **kwargs)
         out = self._sharded_root(batch, **kwargs)

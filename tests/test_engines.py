@@ -16,7 +16,7 @@ import torch
 
 from _references import plain_truncated_logp
 from m2po_rllib.rollout.engine import EngineDeadError, SamplingConfig, make_engine
-from m2po_rllib.rollout.vllm_engine import pid_alive, serialize_weight_chunks
+from m2po_rllib.rollout.vllm_engine import VLLMEngine, pid_alive, serialize_weight_chunks
 
 PROMPTS = ["1+2=", "what is 3*4? ", "(7-5)*2=", "x"]
 ENGINE_KINDS = ["hf", pytest.param("vllm", marks=pytest.mark.slow)]
@@ -350,6 +350,9 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
     assert engine.version == start + 1
     after = engine.generate(prompt_ids, greedy)
     assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
+    if isinstance(engine, VLLMEngine):  # vLLM labels each token with the version that sampled it
+        assert [c.weight_versions for g in before for c in g] == [[(start, 0, len(c.token_ids))] for g in before for c in g]
+        assert [c.weight_versions for g in after for c in g] == [[(start + 1, 0, len(c.token_ids))] for g in after for c in g]
     diff = max_logprob_diff(other, prompt_ids, engine.generate(prompt_ids, sampled), 0.9)
     print(f"{type(engine).__name__}: max |logp - transformers| after sync = {diff:.2e}")
     assert diff < 1e-3

@@ -79,6 +79,10 @@ class Completion:
     """Decoded completion, special tokens skipped, cut before a matched stop string."""
     finish_reason: str
     """Either "stop" (EOS or a stop string) or "length" (`max_tokens` reached)."""
+    weight_versions: list[tuple[int, int, int]] | None = None
+    """vLLM: `(version, start, end)` spans, tokens `[start, end)` sampled by the weights of
+    that policy version, as vLLM labelled them (`set_weight_version` at each load); None
+    where the engine does not label its tokens (the HF engine)."""
 
 
 class EngineDeadError(RuntimeError):

@@ -172,6 +172,7 @@ class VLLMEngine(GenerationEngine):
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self._core_processes = list(self._engine_manager_processes())
         self.worker_pids: list[int] = self.llm.collective_rpc("m2po_pid")
+        self._label_weight_version()
 
     # --- generation -----------------------------------------------------------------------
 
@@ -209,7 +210,15 @@ class VLLMEngine(GenerationEngine):
             ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         outputs = self._call(self.llm.generate, prompts, params, use_tqdm=False)
-        return [self._completions(out, sampling.n) for out in outputs]
+        groups = [self._completions(out, sampling.n) for out in outputs]
+        for group in groups:
+            for c in group:
+                if c.weight_versions and any(v != self._version for v, _, _ in c.weight_versions):
+                    raise RuntimeError(
+                        f"vLLM sampled tokens with weights labelled {c.weight_versions} while this engine serves "
+                        f"version {self._version}: weights changed within a round"
+                    )
+        return groups
 
     @staticmethod
     def _completions(request_output, n: int) -> list[Completion]:
@@ -230,7 +239,8 @@ class VLLMEngine(GenerationEngine):
                 )
             token_ids = list(c.token_ids)
             logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
-            completions.append(Completion(token_ids, logprobs, c.text, c.finish_reason))
+            spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
+            completions.append(Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None))
         return completions
 
     # --- sleep (colocated training) ---------------------------------------------------------
@@ -280,10 +290,19 @@ class VLLMEngine(GenerationEngine):
         The version then only moves forward (an engine that got a newer version another
         way, e.g. a checkpoint restore, keeps it)."""
         if not isinstance(weights, BroadcastWeights):
-            return super().update_weights(weights, version)
-        self._load_weights(weights)
-        self._version = max(self._version, version)
-        return True
+            loaded = super().update_weights(weights, version)
+        else:
+            self._load_weights(weights)
+            self._version = max(self._version, version)
+            loaded = True
+        if loaded:
+            self._label_weight_version()
+        return loaded
+
+    def _label_weight_version(self) -> None:
+        """vLLM labels every token it samples from now on with this version (its per-token
+        `weight_versions`), which `generate` checks against the version the rows are tagged with."""
+        self._call(self.llm.llm_engine.set_weight_version, str(self._version))
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights) -> None:
         self._check_alive()

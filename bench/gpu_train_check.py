@@ -209,6 +209,9 @@ def main() -> int:
                           "fits": bool(colocated.get("fits"))}
         save()
         config = M2POConfig.from_yaml(str(CONFIG), overrides=settings)
+        from m2po_rllib.jobs.local_ray import init_ray
+
+        init_ray(worker_logs=False)  # as `m2po train`: a lean local Ray of its own (or RAY_ADDRESS's)
         records: list[dict] = []
         with GpuMemory() as memory:
             t0 = time.perf_counter()

@@ -191,11 +191,10 @@ def test_the_algorithm_restores_a_whole_checkpoint_after_a_kill_at_any_step(mode
 # -- a real kill -9 of `m2po train` in the middle of a save ----------------------------------
 @pytest.mark.slow
 def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, tmp_path):
-    from test_cli import _overrides, _user_env
-
     import tempfile
 
-    import psutil
+    from _processes import assert_all_end, ray_processes_of
+    from test_cli import _overrides, _user_env
 
     run = tmp_path / "run"
     # the job's own local Ray, in a temp dir of its own (short: Ray's sockets live under it)
@@ -215,16 +214,14 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
         while time.monotonic() < deadline and job.poll() is None:
             new = [p for p in run.glob("checkpoint.new-*")] if run.exists() else []
             if new and checkpoints.newest(run / "checkpoint") is not None and _iteration(run) >= 2:
-                ray_processes = [p for p in psutil.Process(job.pid).children(recursive=True)
-                                 if "ray_watchdog" not in " ".join(p.cmdline())]
+                ray_processes = ray_processes_of(job.pid)
                 job.kill()  # the driver alone, as a user's kill -9 PID (or a lost node) does
                 caught = True
                 break
         if caught:
             # the local Ray it started (raylet, GCS, agents, workers) ends with it
             job.wait(timeout=60)
-            _, alive = psutil.wait_procs(ray_processes, timeout=30)
-            assert not alive, f"left running after the job's kill -9: {[p.cmdline()[:1] for p in alive]}"
+            assert_all_end(ray_processes, after="the job's kill -9")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)

@@ -220,8 +220,7 @@ def test_a_local_ray_started_for_a_python_script_ends_with_its_kill_9(tiny_model
     import sys
     import tempfile
 
-    import psutil
-
+    from _processes import assert_all_end, ray_processes_of
     from test_cli import _user_env
 
     script = tmp_path / "build.py"
@@ -243,14 +242,12 @@ def test_a_local_ray_started_for_a_python_script_ends_with_its_kill_9(tiny_model
     try:
         line = job.stdout.readline()
         assert line == "built\n", job.stderr.read()[-3000:] if job.poll() is not None else line
-        ray_processes = [p for p in psutil.Process(job.pid).children(recursive=True)
-                         if "ray_watchdog" not in " ".join(p.cmdline())]
+        ray_processes = ray_processes_of(job.pid)
         names = " ".join(" ".join(p.cmdline()) for p in ray_processes)
         assert "raylet" in names and "dashboard/agent.py" in names, names  # what lingered before
         job.kill()  # the script alone, as a user's kill -9 PID does
         job.wait(timeout=60)
-        _, alive = psutil.wait_procs(ray_processes, timeout=30)
-        assert not alive, f"left running after the script's kill -9: {[p.cmdline()[:2] for p in alive]}"
+        assert_all_end(ray_processes, after="the script's kill -9")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)

@@ -2,7 +2,8 @@
 
 A problem is `num_operands` uniform integers in [0, 10**digits - 1] joined by operators
 drawn uniformly from `operators`, evaluated with the usual precedence (`*` before `+`,
-`-`). The bare question is the expression without spaces ("123+456*7"); with
+`-`). With `digits=[low, high]` each problem first draws its width uniformly from
+low..high, so problem sizes (and worked answers' lengths) are mixed: the long-tailed task. The bare question is the expression without spaces ("123+456*7"); with
 `word_problems=True` the same expression is told as a game-score story.
 
 Splits. A hash of the canonical expression alone puts it in the held-out region (about
@@ -96,11 +97,22 @@ def word_problem(operands: list[int], ops: list[str], rng: np.random.Generator) 
     return " ".join(sentences)
 
 
+def digit_range(digits) -> tuple[int, int]:
+    """`digits` (an int, or a pair [low, high]) as (low, high); ValueError naming the fix."""
+    pair = list(digits) if isinstance(digits, (list, tuple)) else [digits, digits]
+    if len(pair) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in pair) \
+            or pair[0] > pair[1]:
+        raise ValueError(f"digits={digits!r} must be an integer >= 1, or a pair [low, high] of them with "
+                         f"low <= high (each problem's width drawn from low..high), e.g. 3 or [2, 12]")
+    return pair[0], pair[1]
+
+
 class ArithmeticTasks:
     """Integer arithmetic problems, deterministic in (knobs, seed, split, index).
 
     Args:
-        digits: operands are uniform integers in [0, 10**digits - 1].
+        digits: operands are uniform integers in [0, 10**digits - 1]; or a pair [low, high]:
+            each problem draws its width uniformly from low..high first (mixed sizes).
         num_operands: how many operands an expression has (>= 2).
         operators: the operators to draw from, a non-empty subset of "+-*".
         word_problems: phrase each expression as a short story instead of "12+34".
@@ -117,8 +129,7 @@ class ArithmeticTasks:
         seed: int = 0,
         heldout_size: int = 500,
     ):
-        if not isinstance(digits, int) or digits < 1:
-            raise ValueError(f"digits={digits!r} must be an integer >= 1")
+        low, high = digit_range(digits)
         if not isinstance(num_operands, int) or num_operands < 2:
             raise ValueError(f"num_operands={num_operands!r} must be an integer >= 2")
         bad = [c for c in str(operators) if c not in VALID_OPERATORS]
@@ -131,14 +142,16 @@ class ArithmeticTasks:
             raise ValueError(f"seed={seed!r} must be a non-negative integer")
         if not isinstance(heldout_size, int) or heldout_size < 0:
             raise ValueError(f"heldout_size={heldout_size!r} must be a non-negative integer")
-        self.digits = digits
+        self.digits = low if low == high else (low, high)
+        self.min_digits, self.max_digits = low, high
         self.num_operands = num_operands
         self.operators = operators
         self.word_problems = bool(word_problems)
         self.seed = seed
         self.heldout_size = heldout_size
         # Word phrasing is kept out of the key: problem i has the same expression either way.
-        self._key = _stable_int(f"{digits}|{num_operands}|{operators}", 4)
+        width = str(low) if low == high else f"{low}-{high}"
+        self._key = _stable_int(f"{width}|{num_operands}|{operators}", 4)
 
     def __repr__(self) -> str:
         return (
@@ -149,16 +162,19 @@ class ArithmeticTasks:
 
     @property
     def num_expressions(self) -> int:
-        """Distinct expressions of this task space (both splits)."""
+        """Distinct expressions of this task space (both splits); with a width range, those of its
+        widest problems (every narrower expression is one of them)."""
         operator_choices = len(self.operators) ** (self.num_operands - 1)
-        return 10 ** (self.digits * self.num_operands) * operator_choices
+        return 10 ** (self.max_digits * self.num_operands) * operator_choices
 
     def num_problems(self, split: str = "train") -> int | None:
         """Size of a split: `heldout_size` for "heldout"; None (unbounded index) for "train"."""
         return self.heldout_size if check_split(split) == "heldout" else None
 
     def _draw(self, rng: np.random.Generator) -> tuple[list[int], list[str]]:
-        operands = [int(x) for x in rng.integers(0, 10**self.digits, size=self.num_operands)]
+        width = self.min_digits if self.min_digits == self.max_digits else \
+            int(rng.integers(self.min_digits, self.max_digits + 1))
+        operands = [int(x) for x in rng.integers(0, 10**width, size=self.num_operands)]
         picks = rng.integers(0, len(self.operators), size=self.num_operands - 1)
         ops = [self.operators[i] for i in picks]
         return operands, ops
@@ -201,7 +217,8 @@ class ArithmeticTasks:
     def _heldout(self) -> tuple[Problem, ...]:
         rng = np.random.default_rng([_HELDOUT_STREAM, self._key])
         chosen: dict[str, tuple[list[int], list[str]]] = {}
-        if self.num_expressions <= _ENUMERATE_LIMIT:
+        # A width range is drawn, never enumerated: held-out sizes follow the train mixture.
+        if self.num_expressions <= _ENUMERATE_LIMIT and self.min_digits == self.max_digits:
             candidates = []
             for values in itertools.product(range(10**self.digits), repeat=self.num_operands):
                 for ops in itertools.product(self.operators, repeat=self.num_operands - 1):

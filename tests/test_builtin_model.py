@@ -86,7 +86,7 @@ def test_unknown_builtin_lists_the_known():
         resolve_model_path("builtin:no-such-model")
     assert str(err.value) == (
         "model_config['model'] ('builtin:no-such-model') is not a built-in model; "
-        "the built-in models are: builtin:arith-tiny, builtin:column-add-tiny, builtin:tool-tiny"
+        "the built-in models are: builtin:arith-tiny, builtin:column-add-tiny, builtin:column-mixed-tiny, builtin:tool-tiny"
     )
 
 

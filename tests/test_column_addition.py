@@ -96,3 +96,40 @@ def test_the_env_id_scores_a_worked_solution_and_a_bare_answer_alike():
     assert env.step(f"\\boxed{{{info['answer']}}}")[1] == 1.0  # only the answer is scored
     with pytest.raises(ValueError, match="operators"):
         gym.make("m2po/ColumnAddition-v0", operators="+*")
+
+
+# -- the long-tailed task: a width range ---------------------------------------------------------
+def test_a_width_range_mixes_problem_sizes_uniformly_and_keeps_the_split():
+    tasks = ColumnAdditionTasks(digits=[2, 12], heldout_size=300)
+    train = [tasks.problem(i) for i in range(1200)]
+    widths = np.array([max(len(x) for x in p.question.split("+")) for p in train])
+    # Every width occurs, none wider; a narrower one only where both operands lead with a 0
+    # (1 in 100 of a width's draws).
+    assert set(range(2, 13)) <= set(widths) <= set(range(1, 13)) and np.sum(widths == 1) <= 5
+    counts = np.bincount(widths, minlength=13)[2:]
+    # Uniform over 11 widths: each count ~ Binomial(1200, 1/11), sd ~10; 5 sd either side.
+    assert np.all(np.abs(counts - 1200 / 11) < 5 * np.sqrt(1200 / 11 * (10 / 11))), counts
+    for p in train[:100] + tasks.heldout()[:100]:
+        check_worked(p.question, p.solution)
+    held = tasks.heldout()
+    assert len({p.question for p in held}) == 300 and all(in_heldout_region(p.question) for p in held)
+    assert not any(in_heldout_region(p.question) for p in train)
+    assert {max(len(x) for x in p.question.split("+")) for p in held} >= {3, 12}  # held-out is mixed too
+    # A fixed width is the old task, problem for problem; the range is a task of its own.
+    assert [ColumnAdditionTasks(digits=[5, 5]).problem(i).question for i in range(20)] == \
+        [ColumnAdditionTasks(digits=5).problem(i).question for i in range(20)]
+    assert ColumnAdditionTasks(digits=[5, 5]).digits == 5 and tasks.digits == (2, 12)
+
+
+def test_mixed_widths_spread_answer_lengths_about_tenfold():
+    from transformers import AutoTokenizer
+
+    from m2po_rllib.models.builtin import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:arith-tiny"))
+    tasks = ColumnAdditionTasks(digits=[2, 12], heldout_size=500)
+    lengths = np.array([len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in tasks.heldout()])
+    assert lengths.max() / lengths.min() >= 8, (lengths.min(), lengths.max())
+    env = gym.make("m2po/ColumnAddition-v0", digits=[2, 12], template="compact")
+    _, info = env.reset(seed=5)
+    assert env.step(env.unwrapped.problem.solution)[1] == 1.0

@@ -7,6 +7,7 @@ weights), then the kill test last.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -334,6 +335,93 @@ def test_multi_turn_episodes_are_the_same_on_vllm_and_hf(hf_engine, vllm_engine,
         assert (a.token_ids, a.policy_mask, a.reward, a.turns) == (b.token_ids, b.policy_mask, b.reward, b.turns)
         for x, y in zip(a.logprobs, b.logprobs):
             assert abs(x - y) < 1e-3
+
+
+# -- streaming: groups join the running batch and come back whole ------------------------------
+LONG = SamplingConfig(n=3, max_tokens=24, seed=11, temperature=1.0, top_k=20)
+SHORT = SamplingConfig(n=2, max_tokens=4, seed=5, temperature=0.8, top_p=0.9)
+GREEDY = SamplingConfig(n=2, max_tokens=10, temperature=0)
+
+
+def stream(engine, plan: dict[int, list], limit: int = 200) -> tuple[dict, list]:
+    """Steps `engine`, submitting plan[step]'s groups (key, prompt ids, sampling, index) before
+    that step, until nothing is in flight; the groups by key with the step each came back in."""
+    finished, order = {}, []
+    for step in range(limit):
+        for key, ids, sampling, index in plan.get(step, []):
+            engine.submit(key, ids, sampling, index=index)
+        for key, group in engine.step():
+            assert key not in finished
+            finished[key], order = (group, step), order + [key]
+        if step >= max(plan) and not engine.in_flight:
+            return finished, order
+    raise AssertionError(f"still {engine.in_flight} groups in flight after {limit} steps")
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_streamed_groups_join_the_running_batch_and_are_what_generate_gives(engine, prompt_ids):
+    """Groups submitted while others decode, each with its own settings and length, come back
+    whole as they finish (a short one that joined later overtakes a long one), each sample the
+    one `generate` draws for the same seed and prompt index."""
+    plan = {0: [("long", prompt_ids[0], LONG, 0), ("short", prompt_ids[1], SHORT, 1)],
+            2: [("greedy", prompt_ids[2], GREEDY, 0)],
+            6: [("late", prompt_ids[3], LONG, 3), ("again", prompt_ids[0], SHORT, 4)]}
+    finished, order = stream(engine, plan)
+    assert sorted(finished) == sorted(k for groups in plan.values() for k, *_ in groups)
+    assert order.index("short") < order.index("long") and order.index("greedy") < order.index("long")
+    assert order.index("again") < order.index("late")
+    assert engine.in_flight == 0
+    for groups in plan.values():
+        for key, ids, sampling, index in groups:
+            group, _ = finished[key]
+            assert len(group) == sampling.n
+            alone = engine.generate([ids], dataclasses.replace(sampling, seed=sampling.request_seed(index, 0)))[0]
+            for streamed, reference in zip(group, alone):
+                assert streamed.token_ids == reference.token_ids, key
+                assert streamed.finish_reason == reference.finish_reason and streamed.text == reference.text
+                # one float32 forward each, of other batch shapes: rounding of ~1e-7 per term
+                assert streamed.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+    assert finished["long"][0][0].token_ids != finished["long"][0][1].token_ids  # own streams per sample
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_a_streaming_engine_refuses_what_would_mix_versions_until_drained(engine, prompt_ids, tiny_model_dir):
+    engine.submit("g", prompt_ids[0], SHORT)
+    with pytest.raises(ValueError, match="'g' is already in flight"):
+        engine.submit("g", prompt_ids[1], SHORT)
+    with pytest.raises(RuntimeError, match="cannot load weights with 1 streamed groups in flight"):
+        engine.update_weights({}, engine.version + 1)
+    with pytest.raises(RuntimeError, match="cannot generate a batch with 1 streamed groups in flight"):
+        engine.generate(prompt_ids[:1], SHORT)
+    finished, _ = stream(engine, {0: []})
+    assert list(finished) == ["g"] and engine.in_flight == 0
+    assert engine.generate(prompt_ids[:1], SHORT)[0]  # drained: batches again
+
+
+def test_the_hf_stream_keeps_only_live_rows_and_columns_in_its_cache(hf_engine, prompt_ids):
+    """Rows leave the KV cache as they finish and columns no live row attends to are dropped:
+    a stream fed for many steps holds a cache as long as its longest live sequence."""
+    plan = {step: [(f"g{step}", prompt_ids[step % 4], SHORT, step)] for step in range(0, 60, 3)}
+    widths = []
+    original = hf_engine.step
+
+    def step():
+        out = original()
+        if hf_engine._stream.rows:
+            live = max(len(r.prompt) + len(r.tokens) for r in hf_engine._stream.rows)
+            widths.append((hf_engine._stream.mask.shape[1], live, len(hf_engine._stream.rows)))
+        return out
+
+    hf_engine.step = step
+    try:
+        finished, _ = stream(hf_engine, plan)
+    finally:
+        del hf_engine.step
+    assert len(finished) == 20
+    # the cache holds the longest live sequence (its last token is fed by the next step), no more
+    assert all(width == live for width, live, _ in widths), widths
+    assert max(rows for *_, rows in widths) <= 2 * SHORT.n  # a 4-token group lives through <= 2 joins
+    assert hf_engine._stream.past is None
 
 
 @pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)

@@ -149,6 +149,10 @@ def test_too_small_task_space_is_reported():
         (dict(operators=""), "operators"),
         (dict(operators="++"), "operators"),
         (dict(seed=-1), "seed"),
+        (dict(digits=[5, 2]), r"low <= high"),
+        (dict(digits=[2, 5, 7]), r"pair \[low, high\]"),
+        (dict(digits=[0, 3]), "digits"),
+        (dict(digits=True), "digits"),
     ],
 )
 def test_bad_knobs_are_rejected(kwargs, match):

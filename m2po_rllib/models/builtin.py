@@ -56,6 +56,16 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         task_family="ColumnAdditionTasks",
         answer_tokens=64,
     ),
+    "column-mixed-tiny": BuiltinModel(
+        description=(
+            "The same 0.8M-parameter character-level Qwen2, warm-started on column additions of "
+            "mixed widths (2 to 12 digits, `m2po/ColumnAddition-v0` with digits=[2, 12]): worked "
+            "answers of 14-118 tokens, the long-tailed task of the streaming runners."
+        ),
+        task=dict(digits=[2, 12], num_operands=2),
+        task_family="ColumnAdditionTasks",
+        answer_tokens=128,
+    ),
     "tool-tiny": BuiltinModel(
         description=(
             "The same 0.8M-parameter character-level Qwen2, warm-started on 3-digit "

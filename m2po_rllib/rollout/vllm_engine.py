@@ -149,6 +149,7 @@ class VLLMEngine(GenerationEngine):
         if head_dtype is not None:
             llm_kwargs["hf_overrides"] = {**(llm_kwargs.get("hf_overrides") or {}), "head_dtype": head_dtype}
         self._asleep = False
+        self._streamed: dict[str, tuple] = {}  # vLLM request id -> (group key, samples, version)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
@@ -208,17 +209,57 @@ class VLLMEngine(GenerationEngine):
                 self._sampling_params(sampling, sampling.request_seed(i, 0))
                 for i in range(len(prompt_token_ids))
             ]
+        self._check_idle("generate a batch")  # vLLM would run (and return) the streamed requests too
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         outputs = self._call(self.llm.generate, prompts, params, use_tqdm=False)
         groups = [self._completions(out, sampling.n) for out in outputs]
         for group in groups:
-            for c in group:
-                if c.weight_versions and any(v != self._version for v, _, _ in c.weight_versions):
-                    raise RuntimeError(
-                        f"vLLM sampled tokens with weights labelled {c.weight_versions} while this engine serves "
-                        f"version {self._version}: weights changed within a round"
-                    )
+            self._check_one_version(group, self._version, "a round")
         return groups
+
+    @staticmethod
+    def _check_one_version(group: list[Completion], version: int, what: str) -> None:
+        """Every token of `group` was sampled by policy `version`, as vLLM labelled them."""
+        for c in group:
+            if c.weight_versions and any(v != version for v, _, _ in c.weight_versions):
+                raise RuntimeError(
+                    f"vLLM sampled tokens with weights labelled {c.weight_versions} for {what} of version "
+                    f"{version}: weights changed within {what}"
+                )
+
+    # --- streaming: vLLM's own continuous batching, one request per group ------------------
+
+    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+        self._check_alive()
+        self.wake_up()
+        if any(k == key for k, _, _ in self._streamed.values()):
+            raise ValueError(f"a group with key {key!r} is already in flight")
+        if not prompt_token_ids:
+            raise ValueError("every prompt needs at least one token")
+        params = self._sampling_params(sampling, sampling.request_seed(index, 0))
+        [internal_id] = self._call(self.llm.enqueue, [{"prompt_token_ids": list(prompt_token_ids)}], params,
+                                   use_tqdm=False)
+        # vLLM returns its internal id, "<LLM's counter>-<8 random characters>"; outputs carry the counter's
+        self._streamed[internal_id.split("-")[0]] = (key, sampling.n, self._version)
+
+    def step(self) -> list[tuple[object, list[Completion]]]:
+        if not self._streamed:
+            return []
+        self._check_alive()
+        if not self.llm.llm_engine.has_unfinished_requests():  # its step() would wait for ever
+            raise RuntimeError(f"vLLM has no request left for the {len(self._streamed)} groups in flight")
+        finished = []
+        for out in self._call(self.llm.llm_engine.step):
+            if out.finished and out.request_id in self._streamed:
+                key, n, version = self._streamed.pop(out.request_id)
+                group = self._completions(out, n)
+                self._check_one_version(group, version, f"group {key!r}")
+                finished.append((key, group))
+        return finished
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streamed)
 
     @staticmethod
     def _completions(request_output, n: int) -> list[Completion]:
@@ -250,6 +291,7 @@ class VLLMEngine(GenerationEngine):
         if self.sleep_unavailable is not None:
             return False
         self._check_alive()
+        self._check_idle("sleep")
         if not self._asleep:
             self._call(self.llm.sleep, level=1)
             self._asleep = True

@@ -385,7 +385,7 @@ class HFEngine(GenerationEngine):
         first = int(st.mask.any(0).nonzero()[0])
         if first:
             st.mask = st.mask[:, first:]
-            for layer in st.past.layers:
+            for layer in _dynamic_layers(st.past):
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
 
     def _forward(self, input_ids, attention_mask, position_ids, past):

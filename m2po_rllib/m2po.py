@@ -238,6 +238,7 @@ class M2PO(Algorithm):
             return
 
         def progress() -> bool:
+            self._sampler.poll()  # streaming: the runners' calls go on, with no new rounds
             return self._collect_rounds() | self._absorb(self._learners.poll())
 
         wait_until(lambda: not (self._sampler.num_in_flight() or self._learners.in_flight), progress,

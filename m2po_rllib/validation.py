@@ -42,7 +42,7 @@ _OPTIONAL = {
     "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
     "max_episode_turns": _INT, "max_episode_tokens": _INT,
 }
-_BOOLS = ("recompute_behavior_logp", "async_rollouts", "colocate")
+_BOOLS = ("recompute_behavior_logp", "async_rollouts", "colocate", "streaming")
 
 
 def _is(value, kind: str) -> bool:
@@ -594,11 +594,39 @@ def check_colocate(config) -> list[Problem]:
     return out
 
 
+def check_streaming(config) -> list[Problem]:
+    """`streaming=True` (rollout/streaming.py): asynchronous rollouts on remote runners, whose
+    engines load weights between groups."""
+    if not config.streaming or config.in_evaluation:
+        return []
+    out = []
+    if not config.async_rollouts or config.num_env_runners < 1:
+        out.append(problem(
+            ("streaming", "async_rollouts", "num_env_runners"),
+            f"`streaming=True` keeps remote runners generating while the learners train; it needs async_rollouts=True "
+            f"and num_env_runners >= 1 (async_rollouts is {config.async_rollouts}, num_env_runners "
+            f"{config.num_env_runners}). The synchronous stale-k protocol samples round by round: set streaming=False",
+        ))
+    if config.native_weight_sync:
+        out.append(problem(
+            ("streaming", "weight_sync"),
+            "`streaming=True` loads weights only between groups, and a native broadcast would make the learner wait "
+            "for a runner's groups in flight; use weight_sync='object_store' with streaming (or streaming=False)",
+        ))
+    if config.round_delay is not None:
+        out.append(problem(
+            ("streaming", "round_delay"),
+            f"`round_delay` ({config.round_delay!r}) emulates the tail of round-based sampling; streaming has no "
+            "round barrier to delay: set round_delay=None, or streaming=False",
+        ))
+    return out
+
+
 # Stages after RLlib's own `validate()`: a later stage assumes the earlier ones passed.
 STAGES: tuple[tuple[Check, ...], ...] = (
     (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
     (check_batch_shapes, check_episode_budget),
-    (check_rollout_mode, check_weight_sync, check_gpu_requests, check_colocate),
+    (check_rollout_mode, check_weight_sync, check_gpu_requests, check_colocate, check_streaming),
 )
 
 

@@ -85,8 +85,12 @@ def test_rounds_of_a_dead_runner_are_requested_again_with_the_same_ids():
     assert pipe.lost(1) == [0, 2]
     assert pipe.next_request(0, 0) == 0
     pipe.sent(2, 0)
-    with pytest.raises(RuntimeError, match="expected round 1"):
-        pipe.received(2, _round(0, 4, 0))  # runner 2 answers in send order: round 1 first
+    assert pipe.received(1, _round(0, 4, 0)) is None  # runner 1's late copy: not filed
+    assert pipe.received(2, _round(0, 4, 0)) == 0  # a streaming runner answers as rounds finish
+    assert pipe.received(2, _round(1, 4, 0)) == 1 and sorted(pipe.arrived) == [0, 1]
+    assert pipe.received(2, _round(1, 4, 0)) is None  # once only
+    with pytest.raises(RuntimeError, match="a round is 4 consecutive ids from a multiple of 4"):
+        pipe.received(2, {"sample_id": np.arange(2, 6), "policy_version": np.zeros(4)})
 
 
 def test_state_round_trip_counts_rounds_in_flight_as_lost():

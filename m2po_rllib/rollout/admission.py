@@ -25,7 +25,8 @@ already admitted.
 
 Faults. The rounds of a runner that died are requested again (with the current weights,
 from any healthy runner); the same round index keeps its prompts and sample ids, so
-nothing is lost or trained twice. Checkpoints: `get_state` after draining every in-flight
+nothing is lost or trained twice; should the first runner still return one of them (it
+was taken for dead, not dead), that copy is not filed. Checkpoints: `get_state` after draining every in-flight
 round (`M2PO` waits for them) holds the arrived rounds and the counters.
 """
 
@@ -71,6 +72,11 @@ class AsyncRollouts:
         start = next_version + (self.step_of(round_index) - self.next_step) * self.updates_per_step
         return start + self.updates_per_step - 1 - weights_version
 
+    def oldest_weights(self, round_index: int, next_version: int) -> int:
+        """The oldest weights version that may generate the round (a streaming runner may use
+        any version from this one to the newest: `age_when_trained` stays within the bound)."""
+        return self.age_when_trained(round_index, 0, next_version) - self.max_staleness
+
     def next_request(self, weights_version: int, next_version: int) -> int | None:
         """The round to request now with weights `weights_version`, or None if none may be."""
         n = min(self.reissue) if self.reissue else self.next_round
@@ -95,15 +101,21 @@ class AsyncRollouts:
         return sum(len(q) for q in self.in_flight.values())
 
     # -- arrivals and faults ------------------------------------------------------------
-    def received(self, runner_id: int, batch: dict[str, np.ndarray]) -> int:
-        """Files a round returned by `runner_id` (each runner answers in send order)."""
-        n = self.in_flight[runner_id].popleft()
-        first = int(batch["sample_id"][0]) if len(batch["sample_id"]) else n * self.rows_per_round
-        if first != n * self.rows_per_round:
+    def received(self, runner_id: int, batch: dict[str, np.ndarray]) -> int | None:
+        """Files a round returned by `runner_id`, known by its sample ids (a streaming runner
+        answers in the order its rounds finish). None, filing nothing, for a round no longer in
+        flight there: one requested again elsewhere after the runner was taken for dead."""
+        ids = np.asarray(batch["sample_id"])
+        n, offset = divmod(int(ids[0]), self.rows_per_round) if len(ids) else (-1, 0)
+        if offset or len(ids) != self.rows_per_round or not np.array_equal(ids, ids[0] + np.arange(len(ids))):
             raise RuntimeError(
-                f"runner {runner_id} returned sample ids from {first}, expected round {n} "
-                f"(from {n * self.rows_per_round})"
+                f"runner {runner_id} returned {len(ids)} rows with sample ids from {ids[0] if len(ids) else None}; "
+                f"a round is {self.rows_per_round} consecutive ids from a multiple of {self.rows_per_round}"
             )
+        queue = self.in_flight.get(runner_id, ())
+        if n not in queue:
+            return None
+        queue.remove(n)
         self.arrived[n] = batch
         return n
 

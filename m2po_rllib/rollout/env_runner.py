@@ -8,6 +8,8 @@ its jobs live beside it, one file each:
   of one, and only when newer than what the runner has;
 - `rounds.py`: one sampling round, one plain function per mode (single-turn groups,
   multi-turn episodes);
+- `streaming.py` (`RoundStream`, with `streaming=True`): rounds streamed through the engine
+  by a background thread, so that the next round's groups start as the last one's finish;
 - `evaluate.py`: held-out scoring, one function per mode.
 
 One round of `sample()`: take the request's weights if newer, reset one env per prompt,
@@ -19,8 +21,10 @@ log-probs as `engine_logp`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -41,6 +45,7 @@ from m2po_rllib.rollout.evaluate import evaluate_episodes, evaluate_single_turn
 from m2po_rllib.rollout.rounds import (
     episode_rows, request_base, reset_prompts, round_delay_s, sampling_config, single_turn_rows, turn_sampling,
 )
+from m2po_rllib.rollout.streaming import RoundPlan, RoundStream
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import pack_rollouts
 from m2po_rllib.wire.weights import PublishedWeights
@@ -69,6 +74,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._train_envs: list[gym.Env] = []
         self._eval_envs: dict[str, gym.Env] = {}
         self._eval_episode_envs: dict[str, list[gym.Env]] = {}  # multi-turn evaluation: one per episode
+        self._stream: RoundStream | None = None  # streaming=True: started by the first `stream` call
         self.make_env()
 
     # -- envs -----------------------------------------------------------------------------
@@ -81,10 +87,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.multi_turn = bool(getattr(self.env.unwrapped, "multi_turn", False))
         self._train_envs = [self.env]
 
-    def _envs(self, n: int) -> list[gym.Env]:
-        while len(self._train_envs) < n:
+    def _envs(self, n: int, slot: int = 0) -> list[gym.Env]:
+        """Env set `slot` of `n` training envs (streaming holds several rounds at once, each its own)."""
+        while len(self._train_envs) < (slot + 1) * n:
             self._train_envs.append(self._make_env())
-        return self._train_envs[:n]
+        return self._train_envs[slot * n:(slot + 1) * n]
 
     def _split_env(self, split: str) -> gym.Env:
         if split not in self._eval_envs:
@@ -193,30 +200,45 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         `first_sample_id + 0..B-1`. Returns a rollout batch (`m2po_rllib.wire.batch`).
         """
         cfg = self.config
-        g = cfg.group_size
-        num_prompts = num_prompts or cfg.prompts_per_step
-        stream = self.worker_index if stream is None else stream
         self.host.use(weights)
-        # one env per prompt, or per sample in multi-turn episodes (the group's g envs reset on
-        # the prompt's seed, so they share its problem)
-        copies = g if self.multi_turn else 1
-        envs = self._envs(num_prompts * copies)
-        prompt_ids = reset_prompts(envs, seed, stream, copies)
         engine = self.engine
-        base = request_base(seed, stream)
         if self.multi_turn:
-            rows = episode_rows(engine, envs, prompt_ids, turn_sampling(cfg, self.env, greedy=False, seed=base),
-                                max_turns=self.max_episode_turns, max_tokens=cfg.max_episode_tokens)
+            # one env per sample: the group's g envs reset on the prompt's seed, so they share its problem
+            num_prompts = num_prompts or cfg.prompts_per_step
+            stream = self.worker_index if stream is None else stream
+            envs = self._envs(num_prompts * cfg.group_size)
+            prompt_ids = reset_prompts(envs, seed, stream, cfg.group_size)
+            sampling = turn_sampling(cfg, self.env, greedy=False, seed=request_base(seed, stream))
+            rows = episode_rows(engine, envs, prompt_ids, sampling, max_turns=self.max_episode_turns,
+                                max_tokens=cfg.max_episode_tokens)
         else:
-            rows = single_turn_rows(engine, envs, prompt_ids, sampling_config(cfg, self.env, n=g, greedy=False, seed=base))
+            plan = self.plan_round(dict(num_prompts=num_prompts, seed=seed, stream=stream))
+            rows = single_turn_rows(engine, plan.envs, plan.prompt_ids, plan.sampling)
         if cfg.round_delay:  # emulated long-tailed generation time
-            delay = round_delay_s(cfg.round_delay, seed, stream)
+            delay = round_delay_s(cfg.round_delay, seed, self.worker_index if stream is None else stream)
             time.sleep(delay)
             rows.generate_s += delay
+        return self.pack_round(rows, first_sample_id, engine.version)
 
+    def plan_round(self, request: dict, slot: int = 0) -> RoundPlan:
+        """A single-turn round's envs (set `slot`), reset on its prompts, and its sampling
+        settings: `num_prompts` (None: prompts_per_step), `seed` and `stream` (None: this
+        runner's index) as `sample` takes them."""
+        cfg = self.config
+        num_prompts = request.get("num_prompts") or cfg.prompts_per_step
+        seed = int(request.get("seed", 0))
+        stream = self.worker_index if request.get("stream") is None else int(request["stream"])
+        envs = self._envs(num_prompts, slot)
+        prompt_ids = reset_prompts(envs, seed, stream, 1)
+        sampling = sampling_config(cfg, self.env, n=cfg.group_size, greedy=False, seed=request_base(seed, stream))
+        return RoundPlan(envs, prompt_ids, sampling)
+
+    def pack_round(self, rows, first_sample_id: int, version: int) -> dict[str, np.ndarray]:
+        """A scored round as a rollout batch: sample ids from `first_sample_id`, tagged with the
+        generating `version`; rescored in the learner's numerics when this runner scores."""
         n_rows = len(rows.rewards)
         batch = pack_rollouts(
-            rows.prompts, rows.responses, rows.logprobs, rows.rewards, max(engine.version, 0),
+            rows.prompts, rows.responses, rows.logprobs, rows.rewards, max(version, 0),
             sample_ids=range(first_sample_id, first_sample_id + n_rows), policy_masks=rows.policy_masks,
         )
         if self.host.scorer is not None:  # behaviour log-probs in the learner's numerics
@@ -224,8 +246,29 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             batch["engine_logp"] = batch["behavior_logp"]
             batch["behavior_logp"] = self.host.scorer.score(batch)
             self.metrics.log_value(keys.BEHAVIOR_LOGP_S, time.perf_counter() - t0, reduce="mean")
-        self._log_round(rows, int(batch["response_mask"].sum()), engine.version)
+        self._log_round(rows, int(batch["response_mask"].sum()), version)
         return batch
+
+    # -- streaming=True -------------------------------------------------------------------
+    def stream(self, rounds: list[dict], wait_s: float) -> tuple[list[dict[str, np.ndarray]], float]:
+        """Streaming sampling's one call (`streaming.py`): queues `rounds` (each `sample`'s
+        keyword arguments and `min_version`), waits up to `wait_s` for finished rounds and
+        returns them (any order) with the seconds the engine was busy since the last call."""
+        if self.multi_turn:
+            raise ConfigError(
+                f"streaming=True samples single-turn tasks only so far; {self.config.env!r} plays multi-turn "
+                "episodes: set env_runners(streaming=False)", ("streaming",))
+        if self._stream is None:
+            # the generating thread logs the rounds' metrics beside Ray's call thread (RLlib's
+            # IMPALA learner takes the same lock for its threads)
+            self.metrics._threading_lock = threading.RLock()
+            self._stream = RoundStream(self.host, self.plan_round, self.pack_round)
+        return self._stream.exchange(rounds, wait_s)
+
+    def _engine_to_self(self):
+        """A context in which this call may use the engine: with streaming, once the groups in
+        flight are done and while no new ones start."""
+        return self._stream.paused() if self._stream is not None else contextlib.nullcontext()
 
     def _log_round(self, rows, n_tokens: int, version: int) -> None:
         """A round's metrics (`n_tokens`: the policy's)."""
@@ -258,12 +301,13 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
         Returns counts (not means) so results from several runners add up exactly.
         """
-        self.host.use(weights)
-        if self.multi_turn:
-            return evaluate_episodes(self.engine, self.config, lambda n: self._episode_envs(split, n), indices,
-                                     samples=samples, seed=seed, max_turns=self.max_episode_turns)
-        return evaluate_single_turn(self.engine, self.config, self._split_env(split), indices,
-                                    samples=samples, seed=seed)
+        with self._engine_to_self():
+            self.host.use(weights)
+            if self.multi_turn:
+                return evaluate_episodes(self.engine, self.config, lambda n: self._episode_envs(split, n), indices,
+                                         samples=samples, seed=seed, max_turns=self.max_episode_turns)
+            return evaluate_single_turn(self.engine, self.config, self._split_env(split), indices,
+                                        samples=samples, seed=seed)
 
     @override(EnvRunner)
     def get_metrics(self):
@@ -279,7 +323,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             module_state = ray.get(module_state)
         module_state = (module_state or {}).get(DEFAULT_MODULE_ID)
         if module_state and "weights" in module_state:
-            self.host.load(int(module_state["policy_version"]), lambda: module_state["weights"])
+            with self._engine_to_self():
+                self.host.load(int(module_state["policy_version"]), lambda: module_state["weights"])
 
     @override(Checkpointable)
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict:
@@ -291,6 +336,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     @override(EnvRunner)
     def stop(self) -> None:
+        if self._stream is not None:
+            self._stream.stop()
         self.host.shutdown()
         self._close_envs()
 
@@ -301,8 +348,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         # RLlib pings a runner it marked unhealthy. With a dead engine, end this actor's
         # process: Ray restarts the actor (max_num_env_runner_restarts), and its next
         # request carries the current weights.
-        if self.worker_index > 0 and self.host.dead:
-            logger.error("EnvRunner %d: rollout engine is dead; exiting for a restart", self.worker_index)
+        if self.worker_index > 0 and (self.host.dead or (self._stream is not None and self._stream.failed)):
+            logger.error("EnvRunner %d: rollout engine is dead (or its streaming thread failed); exiting for a "
+                         "restart", self.worker_index)
             os._exit(1)
         return "pong"
 
@@ -313,3 +361,10 @@ def sample_and_metrics(runner: LLMEnvRunner, **kwargs) -> tuple[dict[str, np.nda
     t0 = time.perf_counter()
     batch = runner.sample(**kwargs)
     return batch, runner.get_metrics(), time.perf_counter() - t0
+
+
+def stream_and_metrics(runner: LLMEnvRunner, rounds: list[dict], wait_s: float) -> tuple[list[dict], dict, float]:
+    """One remote call of streaming sampling (see `LLMEnvRunner.stream`): the rounds finished
+    so far, the runner's metrics, and the seconds its engine was busy since the last call."""
+    batches, busy_s = runner.stream(rounds, wait_s)
+    return batches, runner.get_metrics(), busy_s

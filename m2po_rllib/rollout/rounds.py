@@ -4,7 +4,7 @@ A round resets one text env per prompt (a GRPO group shares its prompt; multi-tu
 get one env per sample, the group's envs reset on the prompt's seed), generates
 `group_size` completions per prompt and scores them:
 - `single_turn_rows`: one batched `generate` call, one batched verifier call per group
-  (`env.score_group`);
+  (`score_groups`, which streaming sampling, streaming.py, shares);
 - `episode_rows`: the episode loop (episodes.py), scored by the env turn by turn.
 Both return `Rows`, which the runner packs (`wire.batch.pack_rollouts`). Seeds: the round's
 seed and stream pick the prompts (`prompt_seed`) and the base of the per-request seeds
@@ -87,10 +87,14 @@ class Rows:
 
 def single_turn_rows(engine, envs: list[gym.Env], prompt_ids: list[list[int]], sampling: SamplingConfig) -> Rows:
     """`sampling.n` completions per prompt in one `generate` call; one verifier call per group."""
-    rows = Rows()
     t0 = time.perf_counter()
     groups = engine.generate(prompt_ids, sampling)
-    rows.generate_s = time.perf_counter() - t0
+    return score_groups(envs, prompt_ids, groups, generate_s=time.perf_counter() - t0)
+
+
+def score_groups(envs: list[gym.Env], prompt_ids: list[list[int]], groups: list[list], *, generate_s: float) -> Rows:
+    """A round's generated groups (one per prompt, in order) scored: one verifier call per group."""
+    rows = Rows(generate_s=generate_s)
     t0 = time.perf_counter()
     for ids, env, completions in zip(prompt_ids, envs, groups):
         for c, verdict in zip(completions, env.unwrapped.score_group([c.text for c in completions])):

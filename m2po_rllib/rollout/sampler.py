@@ -19,7 +19,10 @@ Asynchronous: `request()` every round the admission rule allows (`admission.py`:
 token older than `max_staleness`), `collect()` what is ready (re-requesting the rounds of a
 runner that died), `pop_step()` once the next step's rounds are all in. With
 `max_staleness="auto"` the bound is a `StalenessController`'s (staleness.py), fed by
-`observe_m2()` with what the learners measured.
+`observe_m2()` with what the learners measured. With `streaming=True` (streaming.py) each
+runner gets one call at a time (`stream_and_metrics`): the rounds admitted for it since its
+last call, each with the oldest weights that may generate it, and back the rounds it
+finished, in any order; `poll()` keeps the calls going when nothing new is admitted.
 
 Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and counters
 (async; the algorithm drains the rounds in flight first).
@@ -37,9 +40,10 @@ import numpy as np
 
 from m2po_rllib import keys
 from m2po_rllib.rollout.admission import AsyncRollouts
-from m2po_rllib.rollout.env_runner import sample_and_metrics
+from m2po_rllib.rollout.env_runner import sample_and_metrics, stream_and_metrics
 from m2po_rllib.rollout.rounds import round_seed
 from m2po_rllib.rollout.staleness import StalenessController
+from m2po_rllib.rollout.streaming import WAIT_S
 from m2po_rllib.wire.batch import concat_rollouts
 from m2po_rllib.wire.weights import PublishedWeights
 
@@ -88,6 +92,8 @@ class RolloutSampler:
             else None
         )
         self.waiting = 0  # async: runner slots the bound held back at the last request
+        self.streaming = bool(config.async_rollouts and config.streaming)
+        self._calling: set[int] = set()  # streaming: runners with a call in flight
         self._m2_buckets: set[int] = set()  # "auto": the age buckets reported so far
         self.queue: collections.deque[Rollout] = collections.deque()
         self.steps_sampled = 0  # sync: steps whose rounds were sampled
@@ -106,11 +112,15 @@ class RolloutSampler:
         return self._base_version + self.steps_dispatched * self.updates_per_step
 
     def round_request(self, n: int, weights: PublishedWeights | None) -> dict[str, Any]:
-        """The keyword arguments of `LLMEnvRunner.sample` for round n."""
-        return dict(
+        """The keyword arguments of `LLMEnvRunner.sample` for round n (streaming: and the oldest
+        weights version that may generate it)."""
+        request = dict(
             num_prompts=self.prompts_per_round, seed=round_seed(self.config.seed, n), stream=0,
             weights=weights, first_sample_id=n * self.rows_per_round,
         )
+        if self.streaming:
+            request["min_version"] = self.admission.oldest_weights(n, self.dispatched_version)
+        return request
 
     def metrics(self) -> dict[str, float]:
         if self.admission is None:
@@ -203,6 +213,9 @@ class RolloutSampler:
         """Sends every admissible round to a runner with room for one more request."""
         if self.admission is None:
             return
+        if self.streaming:
+            self._stream(weights)
+            return
         pipe = self.admission
         limit = self.config.max_requests_in_flight_per_env_runner
         healthy = self.runners.healthy_env_runner_ids()
@@ -221,24 +234,72 @@ class RolloutSampler:
                     break  # RLlib's in-flight limit for this runner
                 pipe.sent(runner_id, n)
 
+    def poll(self) -> None:
+        """Streaming: a call to every runner with rounds in flight and none pending (new rounds
+        are sent by `request`); otherwise nothing."""
+        if self.streaming:
+            self._stream(None)
+
+    def _stream(self, weights: PublishedWeights | None) -> None:
+        """Streaming: one call to each healthy runner without one in flight that has rounds in
+        flight or may get new ones (none without `weights`)."""
+        pipe = self.admission
+        limit = self.config.max_requests_in_flight_per_env_runner
+        healthy = self.runners.healthy_env_runner_ids()
+        self.waiting = 0
+        for runner_id in healthy:
+            if runner_id in self._calling:
+                continue
+            new = []
+            while weights is not None and pipe.num_in_flight(runner_id) < limit:
+                n = pipe.next_request(weights.version, self.dispatched_version)
+                if n is None:
+                    self.waiting += limit - pipe.num_in_flight(runner_id)
+                    break
+                new.append(self.round_request(n, weights))
+                pipe.sent(runner_id, n)
+            if not new and not pipe.num_in_flight(runner_id):
+                continue
+            sent = self.runners.foreach_env_runner_async(
+                stream_and_metrics, tag=SAMPLE_TAG, kwargs=dict(rounds=new, wait_s=WAIT_S),
+                remote_worker_ids=[runner_id],
+            )
+            if not sent:  # RLlib refused the call: the rounds go back to be requested again
+                for request in new:
+                    n = request["first_sample_id"] // self.rows_per_round
+                    pipe.in_flight[runner_id].remove(n)
+                    pipe.reissue.append(n)
+                continue
+            self._calling.add(runner_id)
+
     def collect(self) -> tuple[bool, list[dict], float]:
         """Files the rounds that are ready and re-requests those of runners that died:
         (anything happened, the runners' metrics, the seconds they were busy)."""
         pipe = self.admission
         ready = self.runners.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=0.0)
         metrics, busy = [], 0.0
-        for runner_id, (batch, runner_metrics, busy_s) in ready:
-            pipe.received(runner_id, batch)
+        filed = 0
+        for runner_id, (answer, runner_metrics, busy_s) in ready:
+            batches = answer if self.streaming else [answer]
+            self._calling.discard(runner_id)
+            for batch in batches:
+                if pipe.received(runner_id, batch) is None:
+                    logger.warning("EnvRunner %d returned rows from sample %d, requested again since: not filed",
+                                   runner_id, int(batch["sample_id"][0]))
+                else:
+                    filed += 1
             metrics.append(runner_metrics)
             busy += busy_s
         healthy = set(self.runners.healthy_env_runner_ids())
+        self._calling &= healthy  # a failed runner's call is gone with it
         lost = [r for r in list(pipe.in_flight) if r not in healthy and pipe.num_in_flight(r)]
         for runner_id in lost:
             rounds = pipe.lost(runner_id)
             logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
         if len(healthy) < self.runners.num_remote_env_runners():
             self._restore()
-        return bool(ready or lost), metrics, busy
+        # a streaming call that brought nothing is no progress (the wait for the rounds is)
+        return bool(filed or lost or (ready and not self.streaming)), metrics, busy
 
     def pop_step(self) -> tuple[Rollout | None, bool]:
         """(the next step's rounds as one batch, or None; whether rounds over the bound were

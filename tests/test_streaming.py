@@ -1,0 +1,200 @@
+"""Streaming sampling (rollout/streaming.py): rounds streamed through one engine are the
+rounds round-based sampling makes at the same version (prompts, tokens, rewards, sample
+ids); a round that needs newer weights waits for the groups in flight, then loads them; the
+engine is handed over (`paused`) for evaluation; bad settings are refused. Then the
+algorithm with streaming runners: every trained token within `max_staleness`, whole groups,
+each sample trained once, across a checkpoint and a runner killed with rounds in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_algorithm import tiny_config
+
+from m2po_rllib.wire.weights import PublishedWeights
+
+G = 4  # tiny_config's group size
+
+
+def _runner(model_dir, **training):
+    from test_algorithm import _test_envs
+
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+    cfg = (tiny_config(model_dir, **training).env_runners(max_new_tokens=12)
+           .environment(_test_envs.ENV_ID, env_config={"digits": 1, "heldout_size": 5}))
+    return LLMEnvRunner(config=cfg)
+
+
+def _weights(model_dir, version: int, shift: float) -> PublishedWeights:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PublishedWeights(version=version, weights={k: v + shift for k, v in model.state_dict().items()})
+
+
+def _request(n: int, weights: PublishedWeights, min_version: int, prompts: int = 2) -> dict:
+    return dict(num_prompts=prompts, seed=100 + n, stream=0, weights=weights, first_sample_id=n * prompts * G,
+                min_version=min_version)
+
+
+def _take_all(stream, rounds: int) -> dict[int, dict]:
+    """Advances a stream (no thread) until `rounds` rounds are done; by first sample id."""
+    done = {}
+    while len(done) < rounds:
+        assert stream.advance(), "the stream stopped with rounds unfinished"
+        for batch in stream.take()[0]:
+            done[int(batch["sample_id"][0])] = batch
+    return done
+
+
+def test_streamed_rounds_are_the_rounds_round_based_sampling_makes(tiny_model_dir):
+    """Three rounds in one engine at once (the next round's groups start beside the last
+    one's): each equals `sample()` of the same request, token for token."""
+    runner = _runner(tiny_model_dir)
+    try:
+        w = _weights(tiny_model_dir, 1, 0.01)
+        requests = [_request(n, w, min_version=1) for n in range(3)]
+        streamed = {}
+        while len(streamed) < 3:  # through the generating thread, as a remote runner runs it
+            for batch in runner.stream(requests if not streamed else [], wait_s=5.0)[0]:
+                streamed[int(batch["sample_id"][0])] = batch
+        for request in requests:
+            kwargs = {k: v for k, v in request.items() if k != "min_version"}
+            expected = runner.sample(**kwargs)  # the engine is idle: a plain batched round
+            got = streamed[request["first_sample_id"]]
+            for key in ("prompt_ids", "response_ids", "response_mask", "rewards", "sample_id", "policy_version"):
+                np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+            # the same tokens through one KV cache with other rows beside them: float32
+            # reductions in another order (tests/test_engines.py's bound for the HF engine)
+            np.testing.assert_allclose(got["behavior_logp"], expected["behavior_logp"], atol=1e-4, rtol=0)
+        assert set(np.concatenate([b["policy_version"] for b in streamed.values()])) == {1}
+    finally:
+        runner.stop()
+
+
+def test_a_round_that_needs_newer_weights_waits_for_the_groups_in_flight(tiny_model_dir):
+    from m2po_rllib.rollout.streaming import RoundStream
+
+    runner = _runner(tiny_model_dir)
+    try:
+        stream = RoundStream(runner.host, runner.plan_round, runner.pack_round)  # driven here, no thread
+        v1, v2 = _weights(tiny_model_dir, 1, 0.01), _weights(tiny_model_dir, 2, -0.01)
+        stream.put([_request(0, v1, min_version=1)])
+        assert stream.advance() and runner.engine.version == 1 and runner.engine.in_flight == 2
+        # round 1 may use version 1 (it starts now, beside round 0); round 2 needs version 2:
+        # it starts once rounds 0 and 1 are done, after the load
+        stream.put([_request(1, v2, min_version=1), _request(2, v2, min_version=2)])
+        stream.advance()
+        assert runner.engine.version == 1 and runner.engine.in_flight >= 3
+        done = _take_all(stream, 3)
+        assert [int(done[n * 2 * G]["policy_version"][0]) for n in range(3)] == [1, 1, 2]
+        # an idle engine loads the newest weights a waiting round carries, even if older would do
+        stream.put([_request(3, _weights(tiny_model_dir, 3, 0.02), min_version=0)])
+        assert int(_take_all(stream, 1)[3 * 2 * G]["policy_version"][0]) == 3
+    finally:
+        runner.stop()
+
+
+def test_a_round_given_weights_older_than_it_needs_is_refused(tiny_model_dir):
+    from m2po_rllib.rollout.streaming import RoundStream
+
+    runner = _runner(tiny_model_dir)
+    try:
+        stream = RoundStream(runner.host, runner.plan_round, runner.pack_round)
+        stream.put([_request(0, _weights(tiny_model_dir, 1, 0.0), min_version=2)])
+        with pytest.raises(RuntimeError, match="needs weights of version >= 2, and the newest this runner was given is 1"):
+            stream.advance()
+    finally:
+        runner.stop()
+
+
+def test_evaluation_waits_for_the_groups_in_flight_and_streaming_goes_on(tiny_model_dir):
+    runner = _runner(tiny_model_dir)
+    try:
+        w = _weights(tiny_model_dir, 1, 0.0)
+        # both rounds start at once (queued together); the call returns once one is done
+        first, _ = runner.stream([_request(n, w, min_version=1) for n in range(2)], wait_s=60.0)
+        counts = runner.evaluate(indices=[0, 1, 2], weights=_weights(tiny_model_dir, 2, 0.01))
+        assert counts["n"] == 3 and runner.engine.version == 2
+        runner.stream([_request(2, w, min_version=1)], wait_s=0.0)
+        done = {int(b["sample_id"][0]): b for b in first}
+        deadline = time.monotonic() + 60
+        while len(done) < 3 and time.monotonic() < deadline:
+            done.update({int(b["sample_id"][0]): b for b in runner.stream([], wait_s=1.0)[0]})
+        # rounds 0 and 1 were generated before the evaluation (version 1), round 2 after (2)
+        assert {k: int(b["policy_version"][0]) for k, b in done.items()} == {0: 1, 8: 1, 16: 2}
+    finally:
+        runner.stop()
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(async_rollouts=False), "needs async_rollouts=True and num_env_runners >= 1"),
+    (dict(num_env_runners=0), "needs async_rollouts=True and num_env_runners >= 1"),
+    (dict(round_delay={"median_s": 0.1}), "streaming has no round barrier to delay"),
+])
+def test_streaming_settings_it_cannot_serve_are_refused(tiny_model_dir, settings, needle):
+    from m2po_rllib.errors import ConfigError
+
+    cfg = tiny_config(tiny_model_dir, async_rollouts=settings.pop("async_rollouts", True), max_staleness=3)
+    cfg = cfg.env_runners(streaming=True, num_env_runners=settings.pop("num_env_runners", 1), **settings)
+    with pytest.raises(ConfigError, match=needle) as info:
+        cfg.validate()
+    assert "streaming" in str(info.value)
+
+
+# -- the algorithm, with remote streaming runners ----------------------------------------
+ray = pytest.importorskip("ray")
+
+
+@pytest.mark.slow
+def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint_and_a_kill(
+        ray_session, tiny_model_dir, tmp_path):
+    from test_async import _async_config, _record_trained_ids
+
+    from m2po_rllib import M2PO
+
+    cfg = (_async_config(tiny_model_dir, max_staleness=4)
+           .env_runners(streaming=True, max_new_tokens=12)
+           .fault_tolerance(restart_failed_env_runners=True))
+    algo = cfg.build_algo()
+    try:
+        seen = _record_trained_ids(algo)
+        ages = []
+        algo.train()
+        streams = algo.env_runner_group.foreach_env_runner(lambda r: r._stream is not None, local_env_runner=False)
+        assert streams == [True, True]  # the rounds went through the runners' streams
+        for _ in range(2):
+            result = algo.train()
+            ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
+        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))  # drains the streams
+        assert algo.sampler.num_in_flight() == 0
+        before = list(seen)
+    finally:
+        algo.stop()
+    algo = M2PO.from_checkpoint(ckpt)
+    try:
+        after = _record_trained_ids(algo)
+        algo.train()
+        pids = algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False)
+        assert algo.sampler.admission.num_in_flight(1) > 0
+        os.kill(pids[0], signal.SIGKILL)  # runner 1 dies with rounds in its engine
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            result = algo.train()
+            ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
+            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1 and len(ages) >= 6:
+                break
+        assert result["fault_tolerance"]["num_remote_worker_restarts"] >= 1
+        assert algo.policy_version == algo.iteration * algo.config.updates_per_step
+    finally:
+        algo.stop()
+    assert max(ages) <= 4
+    trained = np.concatenate(before + after).tolist()
+    assert sorted(trained) == list(range(len(trained)))  # each sample once, whole rounds (hence groups)

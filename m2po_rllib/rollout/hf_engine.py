@@ -113,6 +113,7 @@ class _Stream:
         self.mask = self.logits = self.positions = self.past = None
 
     def groups(self):
+        """The groups in flight: queued, then decoding (each once)."""
         yield from self.queue
         yield from {id(r.group): r.group for r in self.rows}.values()
 
@@ -309,7 +310,7 @@ class HFEngine(GenerationEngine):
 
     @property
     def in_flight(self) -> int:
-        return len(self._stream.queue) + len({id(r.group) for r in self._stream.rows})
+        return sum(1 for _ in self._stream.groups())
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[Completion]]]:

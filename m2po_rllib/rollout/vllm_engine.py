@@ -149,7 +149,8 @@ class VLLMEngine(GenerationEngine):
         if head_dtype is not None:
             llm_kwargs["hf_overrides"] = {**(llm_kwargs.get("hf_overrides") or {}), "head_dtype": head_dtype}
         self._asleep = False
-        self._streamed: dict[str, tuple] = {}  # vLLM request id -> (group key, samples, version)
+        self._streamed: dict[str, tuple] = {}  # our request id -> (group key, samples, version)
+        self._stream_requests = 0  # streamed requests so far (their ids)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
@@ -236,11 +237,15 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"a group with key {key!r} is already in flight")
         if not prompt_token_ids:
             raise ValueError("every prompt needs at least one token")
+        from vllm.sampling_params import RequestOutputKind
+
         params = self._sampling_params(sampling, sampling.request_seed(index, 0))
-        [internal_id] = self._call(self.llm.enqueue, [{"prompt_token_ids": list(prompt_token_ids)}], params,
-                                   use_tqdm=False)
-        # vLLM returns its internal id, "<LLM's counter>-<8 random characters>"; outputs carry the counter's
-        self._streamed[internal_id.split("-")[0]] = (key, sampling.n, self._version)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # a group comes back once, whole
+        # our own request id (vLLM's outputs carry the id they were given), apart from LLM's counter
+        self._stream_requests += 1
+        request_id = f"m2po-stream-{self._stream_requests}"
+        self._call(self.llm.llm_engine.add_request, request_id, {"prompt_token_ids": list(prompt_token_ids)}, params)
+        self._streamed[request_id] = (key, sampling.n, self._version)
 
     def step(self) -> list[tuple[object, list[Completion]]]:
         if not self._streamed:

@@ -121,13 +121,13 @@ def test_characters_the_tokenizer_lacks_in_a_tool_result_are_counted(tokenizer):
     """`7/3 (~2.33333333333)`: the built-in vocabulary has no `~`; the inserted tokens lack
     it, and the turn's info, the episode and the round's metrics say so."""
     from m2po_rllib.rollout.engine import Completion
-    from m2po_rllib.rollout.episodes import Episode, _play_turn, episode_metrics
+    from m2po_rllib.rollout.episodes import Episode, episode_metrics, play_turn
 
     env = _tool_env(tokenizer)
     env.reset(seed=1)
     episode = Episode([1, 2], env)
-    _play_turn(episode, Completion(tokenizer("CALC(7/3")["input_ids"], [-0.1] * 8, "CALC(7/3", "stop"),
-               float("inf"), last_turn=False)
+    play_turn(episode, Completion(tokenizer("CALC(7/3")["input_ids"], [-0.1] * 8, "CALC(7/3", "stop"),
+              None, last_turn=False)
     assert env._obs["inserted"] == "7/3 (~2.33333333333)."
     assert tokenizer.decode(env._obs["inserted_token_ids"]) == "7/3 (2.33333333333)."
     assert episode.dropped_chars == 1 and episode_metrics([episode])[keys.EPISODE_DROPPED_CHARS] == 1.0
@@ -239,7 +239,7 @@ def test_the_feedback_after_any_turn_is_within_the_envs_estimate(tokenizer):
 
 def test_an_env_that_breaks_the_protocol_is_named(tokenizer):
     from m2po_rllib.rollout.engine import Completion
-    from m2po_rllib.rollout.episodes import Episode, _play_turn
+    from m2po_rllib.rollout.episodes import Episode, play_turn
 
     class Broken(gym.Env):
         spec = None
@@ -249,7 +249,7 @@ def test_an_env_that_breaks_the_protocol_is_named(tokenizer):
 
     episode = Episode([1, 2], Broken())
     with pytest.raises(TypeError, match=r"env 'Broken' went on after a turn without obs\['inserted_token_ids'\]"):
-        _play_turn(episode, Completion([5, 6], [-0.1, -0.2], "ab", "stop"), float("inf"), last_turn=False)
+        play_turn(episode, Completion([5, 6], [-0.1, -0.2], "ab", "stop"), None, last_turn=False)
 
 
 # -- the loss sees the policy's tokens only ------------------------------------------------

@@ -1,7 +1,8 @@
 """Streaming sampling (rollout/streaming.py): rounds streamed through one engine are the
 rounds round-based sampling makes at the same version (prompts, tokens, rewards, sample
 ids); a round that needs newer weights waits for the groups in flight, then loads them; the
-engine is handed over (`paused`) for evaluation; bad settings are refused. Then the
+engine is handed over (`paused`) for evaluation; multi-turn episodes stream turn by turn;
+bad settings are refused. Then the
 algorithm with streaming runners: every trained token within `max_staleness`, whole groups,
 each sample trained once, across a checkpoint and a runner killed with rounds in flight."""
 
@@ -198,3 +199,54 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
     assert max(ages) <= 4
     trained = np.concatenate(before + after).tolist()
     assert sorted(trained) == list(range(len(trained)))  # each sample once, whole rounds (hence groups)
+
+
+def _turns(policy_mask) -> int:
+    """Policy turns in a row: runs of policy tokens."""
+    m = np.asarray(policy_mask) > 0
+    return int(m[0]) + int((m[1:] & ~m[:-1]).sum()) if len(m) else 0
+
+
+def _row(batch, i: int) -> dict:
+    """Row i of a rollout batch without its padding (batches pad to their longest row)."""
+    n = int(((batch["response_mask"][i] > 0) | (batch["env_mask"][i] > 0)).sum())
+    return {"response_ids": batch["response_ids"][i][:n], "response_mask": batch["response_mask"][i][:n],
+            "env_mask": batch["env_mask"][i][:n], "rewards": batch["rewards"][i]}
+
+
+def test_multi_turn_episodes_stream_turn_by_turn():
+    """Each episode's next turn is submitted as its last one is played; streamed episodes are
+    round-based ones wherever their seeds agree (turn t of episode e: the turn's seed + e;
+    round-based: + e's rank among the episodes still running): every first turn, and every
+    turn of an episode whose round-mates before it ran at least as long."""
+    from test_episodes import _config
+
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+
+    runner = LLMEnvRunner(config=_config())
+    try:
+        g, prompts = runner.config.group_size, 2
+        requests = [dict(num_prompts=prompts, seed=40 + n, stream=0, weights=None, first_sample_id=n * prompts * g,
+                         min_version=-1) for n in range(3)]
+        streamed = {}
+        while len(streamed) < 3:
+            for batch in runner.stream(requests if not streamed else [], wait_s=5.0)[0]:
+                streamed[int(batch["sample_id"][0])] = batch
+        full = 0
+        for request in requests:
+            expected = runner.sample(**{k: v for k, v in request.items() if k != "min_version"})
+            got = streamed[request["first_sample_id"]]
+            turns = [_turns(m) for m in expected["response_mask"]]
+            assert max(turns) > 1  # episodes went on after a wrong first answer
+            for e in range(len(turns)):
+                mine, theirs = _row(got, e), _row(expected, e)
+                first = int(np.argmax(theirs["env_mask"] > 0)) or len(theirs["env_mask"])  # the first turn's end
+                np.testing.assert_array_equal(mine["response_ids"][:first], theirs["response_ids"][:first])
+                if all(turns[k] >= turns[e] for k in range(e)):
+                    full += 1
+                    for key, value in theirs.items():
+                        np.testing.assert_array_equal(mine[key], value, err_msg=f"{key} of episode {e}")
+        assert full >= 3  # every round's first episode at least
+        assert set(np.concatenate([b["sample_id"] for b in streamed.values()]).tolist()) == set(range(3 * prompts * g))
+    finally:
+        runner.stop()

@@ -202,17 +202,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         cfg = self.config
         self.host.use(weights)
         engine = self.engine
-        if self.multi_turn:
-            # one env per sample: the group's g envs reset on the prompt's seed, so they share its problem
-            num_prompts = num_prompts or cfg.prompts_per_step
-            stream = self.worker_index if stream is None else stream
-            envs = self._envs(num_prompts * cfg.group_size)
-            prompt_ids = reset_prompts(envs, seed, stream, cfg.group_size)
-            sampling = turn_sampling(cfg, self.env, greedy=False, seed=request_base(seed, stream))
-            rows = episode_rows(engine, envs, prompt_ids, sampling, max_turns=self.max_episode_turns,
-                                max_tokens=cfg.max_episode_tokens)
+        plan = self.plan_round(dict(num_prompts=num_prompts, seed=seed, stream=stream))
+        if plan.multi_turn:
+            rows = episode_rows(engine, plan.envs, plan.prompt_ids, plan.sampling, max_turns=plan.max_turns,
+                                max_tokens=plan.max_tokens)
         else:
-            plan = self.plan_round(dict(num_prompts=num_prompts, seed=seed, stream=stream))
             rows = single_turn_rows(engine, plan.envs, plan.prompt_ids, plan.sampling)
         if cfg.round_delay:  # emulated long-tailed generation time
             delay = round_delay_s(cfg.round_delay, seed, self.worker_index if stream is None else stream)
@@ -221,17 +215,23 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         return self.pack_round(rows, first_sample_id, engine.version)
 
     def plan_round(self, request: dict, slot: int = 0) -> RoundPlan:
-        """A single-turn round's envs (set `slot`), reset on its prompts, and its sampling
-        settings: `num_prompts` (None: prompts_per_step), `seed` and `stream` (None: this
-        runner's index) as `sample` takes them."""
+        """A round's envs (set `slot`), reset on its prompts, and its sampling settings, from
+        `num_prompts` (None: prompts_per_step), `seed` and `stream` (None: this runner's index)
+        as `sample` takes them. Single-turn: one env per prompt, one group each; multi-turn: one
+        env per sample (a group's envs reset on its prompt's seed, so they share its problem)."""
         cfg = self.config
         num_prompts = request.get("num_prompts") or cfg.prompts_per_step
         seed = int(request.get("seed", 0))
         stream = self.worker_index if request.get("stream") is None else int(request["stream"])
+        base = request_base(seed, stream)
+        if self.multi_turn:
+            envs = self._envs(num_prompts * cfg.group_size, slot)
+            return RoundPlan(envs, reset_prompts(envs, seed, stream, cfg.group_size),
+                             turn_sampling(cfg, self.env, greedy=False, seed=base), multi_turn=True,
+                             max_turns=self.max_episode_turns, max_tokens=cfg.max_episode_tokens)
         envs = self._envs(num_prompts, slot)
-        prompt_ids = reset_prompts(envs, seed, stream, 1)
-        sampling = sampling_config(cfg, self.env, n=cfg.group_size, greedy=False, seed=request_base(seed, stream))
-        return RoundPlan(envs, prompt_ids, sampling)
+        sampling = sampling_config(cfg, self.env, n=cfg.group_size, greedy=False, seed=base)
+        return RoundPlan(envs, reset_prompts(envs, seed, stream, 1), sampling)
 
     def pack_round(self, rows, first_sample_id: int, version: int) -> dict[str, np.ndarray]:
         """A scored round as a rollout batch: sample ids from `first_sample_id`, tagged with the
@@ -254,10 +254,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         """Streaming sampling's one call (`streaming.py`): queues `rounds` (each `sample`'s
         keyword arguments and `min_version`), waits up to `wait_s` for finished rounds and
         returns them (any order) with the seconds the engine was busy since the last call."""
-        if self.multi_turn:
-            raise ConfigError(
-                f"streaming=True samples single-turn tasks only so far; {self.config.env!r} plays multi-turn "
-                "episodes: set env_runners(streaming=False)", ("streaming",))
         if self._stream is None:
             # the generating thread logs the rounds' metrics beside Ray's call thread (RLlib's
             # IMPALA learner takes the same lock for its threads)

@@ -84,17 +84,21 @@ def run_episodes(
 ) -> None:
     """Plays `episodes` (each reset, `prompt_ids` its first observation's tokens) to the end
     in place. `sampling(turn)` is the turn's `SamplingConfig` (n=1)."""
-    budget = math.inf if max_tokens is None else int(max_tokens)
     for turn in range(max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
             return
         groups = engine.generate([e.prompt_ids + e.token_ids for e in active], sampling(turn))
         for episode, group in zip(active, groups):
-            _play_turn(episode, group[0], budget, last_turn=turn == max_turns - 1)
+            play_turn(episode, group[0], max_tokens, last_turn=turn == max_turns - 1)
 
 
-def _play_turn(episode: Episode, completion, budget: float, last_turn: bool) -> None:
+def play_turn(episode: Episode, completion, max_tokens: int | None, last_turn: bool) -> None:
+    """Plays the policy's turn `completion` in `episode`: appends it, steps the env, and
+    appends the env's reply or ends the episode (`max_tokens`: the cap on everything after
+    the prompt, None for none; `last_turn`: no policy turn may follow). The next turn's
+    context is `episode.prompt_ids + episode.token_ids`; `episode.turns` turns were played."""
+    budget = math.inf if max_tokens is None else int(max_tokens)
     room = budget - len(episode.token_ids)
     ids, logprobs = list(completion.token_ids), list(completion.logprobs)
     if len(ids) > room:  # the token budget ends the episode mid-turn

@@ -5,7 +5,8 @@ get one env per sample, the group's envs reset on the prompt's seed), generates
 `group_size` completions per prompt and scores them:
 - `single_turn_rows`: one batched `generate` call, one batched verifier call per group
   (`score_groups`, which streaming sampling, streaming.py, shares);
-- `episode_rows`: the episode loop (episodes.py), scored by the env turn by turn.
+- `episode_rows`: the episode loop (episodes.py), scored by the env turn by turn
+  (`played_rows`, shared with streaming sampling).
 Both return `Rows`, which the runner packs (`wire.batch.pack_rollouts`). Seeds: the round's
 seed and stream pick the prompts (`prompt_seed`) and the base of the per-request seeds
 (`request_base`), so a round is reproducible and rounds never share random streams.
@@ -126,11 +127,16 @@ def turn_sampling(config, env: gym.Env, *, greedy: bool, seed: int) -> Callable[
 def episode_rows(engine, envs: list[gym.Env], prompt_ids: list[list[int]], sampling: Callable[[int], SamplingConfig],
                  *, max_turns: int, max_tokens: int | None) -> Rows:
     """One multi-turn episode per env, scored by the env as it ends."""
-    from m2po_rllib.rollout.episodes import episode_metrics
-
     t0 = time.perf_counter()
     episodes = play(engine, envs, prompt_ids, sampling, max_turns=max_turns, max_tokens=max_tokens)
-    rows = Rows(generate_s=time.perf_counter() - t0)
+    return played_rows(episodes, generate_s=time.perf_counter() - t0)
+
+
+def played_rows(episodes, *, generate_s: float) -> Rows:
+    """A round's episodes, played to the end, as rows (streaming sampling shares it)."""
+    from m2po_rllib.rollout.episodes import episode_metrics
+
+    rows = Rows(generate_s=generate_s)
     t0 = time.perf_counter()
     for e in episodes:
         rows.prompts.append(e.prompt_ids)

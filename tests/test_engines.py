@@ -257,7 +257,7 @@ def test_the_hf_engine_computes_its_head_in_fp32_when_asked(tiny_model_dir, prom
     engines = {head: make_engine("hf", tiny_model_dir, dtype="bfloat16", head_dtype=head) for head in ("float32", None)}
     try:
         with torch.no_grad():
-            logits = {head: e._forward(*args)[0][0] for head, e in engines.items()}
+            logits = {head: e.forward(*args)[0][0] for head, e in engines.items()}
             model = engines[None].model
             hidden = model.get_decoder()(input_ids=prompt).last_hidden_state[0, -1].float()
             weight = model.get_output_embeddings().weight.float()

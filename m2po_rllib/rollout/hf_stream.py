@@ -1,0 +1,195 @@
+"""The HF engine's continuous batch (`HFEngine.submit` / `step`): GRPO groups join one
+KV-cached batch as others finish and come back whole.
+
+The batch's rows are the samples of the groups in flight, left-padded to one cache length:
+a joining group is prefilled on its own and padded (or the batch padded) to the longer of
+the two; a finished row leaves the cache at once, and cache columns that no row attends to
+any more are dropped, so the cache spans the longest live sequence. Each sample keeps its
+own random stream, seeded as `generate` seeds it, so a streamed sample is the sample
+`generate` makes (tests/test_engines.py). The engine owns the model and the per-sample
+rules (`budget`, `ending`, `completion`, `forward`, `generator`); this file owns the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from m2po_rllib.rollout.engine import Completion, SamplingConfig
+from m2po_rllib.rollout.hf_sampling import sample_next
+
+
+@dataclass(eq=False)
+class _Group:
+    """A streamed group: its key, sampling settings, samples and how many are unfinished."""
+
+    key: object
+    sampling: SamplingConfig
+    left: int
+    rows: list[_Row] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Row:
+    """One streamed sample: its prompt, budget, random stream and what it has generated."""
+
+    group: _Group
+    prompt: list[int]
+    budget: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    reason: str | None = None
+    text: str | None = None
+
+
+def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:
+    """A (B, L) mask left-padded with zeros to `length` columns."""
+    return torch.nn.functional.pad(t, (length - t.shape[1], 0))
+
+
+def _pad_cache(past, columns: int):
+    """A DynamicCache with `columns` zero positions added on the left of every layer."""
+    if columns:
+        for layer in _dynamic_layers(past):
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, columns, 0))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, columns, 0))
+    return past
+
+
+def _cat_caches(a, b):
+    """`b`'s rows appended to `a`'s (both of one length), in `a`."""
+    for la, lb in zip(_dynamic_layers(a), _dynamic_layers(b)):
+        la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])
+    return a
+
+
+def _dynamic_layers(past):
+    from transformers.cache_utils import DynamicLayer
+
+    layers = past.layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(
+            f"the HF engine streams models with a plain KV cache (DynamicLayer); this model's has {kinds}: "
+            "generate() batches it, or rollout_engine='vllm' streams it"
+        )
+    return layers
+
+
+class ContinuousBatch:
+    """The streamed groups of one `HFEngine` (`engine`): the queued groups, the rows decoding,
+    their attention mask (B, L), next-token logits (B, V), next positions (B,) and KV cache."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.queue: collections.deque[_Group] = collections.deque()
+        self.rows: list[_Row] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops the batch's tensors (no row is decoding)."""
+        self.mask = self.logits = self.positions = self.past = None
+
+    def clear(self) -> None:
+        """Drops every group (the engine shut down)."""
+        self.queue.clear()
+        self.rows = []
+        self.reset()
+
+    def groups(self):
+        """The groups in flight: queued, then decoding (each once)."""
+        yield from self.queue
+        yield from {id(r.group): r.group for r in self.rows}.values()
+
+    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+        if any(g.key == key for g in self.groups()):
+            raise ValueError(f"a group with key {key!r} is already in flight")
+        prompt = list(prompt_token_ids)
+        budget = self.engine.budget(prompt, sampling)
+        group = _Group(key, sampling, left=sampling.n)
+        group.rows = [_Row(group, prompt, budget, self.engine.generator(sampling.request_seed(index, j)))
+                       for j in range(sampling.n)]
+        self.queue.append(group)
+
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by `step()`."""
+        return sum(1 for _ in self.groups())
+
+    def step(self) -> list[tuple[object, list[Completion]]]:
+        st = self
+        while st.queue and (not st.rows or len(st.rows) + st.queue[0].sampling.n <= self.engine.stream_rows):
+            self._join(st.queue.popleft().rows)
+        if not st.rows:
+            return []
+        # one token for every row, each group's rows by its own sampling settings
+        tokens = torch.empty(len(st.rows), dtype=torch.long, device=self.engine.device)
+        logps = torch.empty(len(st.rows), device=self.engine.device)
+        by_group: dict[int, list[int]] = {}
+        for i, row in enumerate(st.rows):
+            by_group.setdefault(id(row.group), []).append(i)
+        for idx in by_group.values():
+            rows = [st.rows[i] for i in idx]
+            t, lp = sample_next(st.logits[idx], rows[0].group.sampling, [r.generator for r in rows],
+                                list(range(len(rows))))
+            tokens[idx], logps[idx] = t, lp.to(logps.dtype)
+        finished, keep = [], []
+        for i, (row, token, logp) in enumerate(zip(st.rows, tokens.tolist(), logps.tolist())):
+            row.tokens.append(token)
+            row.logps.append(logp)
+            row.reason, row.text = self.engine.ending(row.tokens, row.budget, row.group.sampling.stop)
+            if row.reason is None:
+                keep.append(i)
+                continue
+            row.group.left -= 1
+            if row.group.left == 0:
+                g = row.group
+                finished.append((g.key, [self.engine.completion(r.tokens, r.logps, r.text, r.reason) for r in g.rows]))
+        if len(keep) < len(st.rows):
+            self._leave(keep)
+        if st.rows:
+            st.mask = torch.cat([st.mask, st.mask.new_ones(len(st.rows), 1)], -1)
+            st.logits, st.past = self.engine.forward(tokens[keep][:, None], st.mask, st.positions[:, None], st.past)
+            st.positions = st.positions + 1
+        return finished
+
+    def _join(self, rows: list[_Row]) -> None:
+        """Prefills `rows` and adds them to the batch, both left-padded to one cache length."""
+        st = self
+        width = max(len(r.prompt) for r in rows)
+        ids = torch.full((len(rows), width), self.engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        ids, mask = ids.to(self.engine.device), mask.to(self.engine.device)
+        logits, past = self.engine.forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), None)
+        positions = mask.sum(-1)  # the next token's position
+        if not st.rows:
+            st.rows, st.mask, st.logits, st.past, st.positions = list(rows), mask, logits, past, positions
+            return
+        length = max(st.mask.shape[1], width)
+        st.past = _cat_caches(_pad_cache(st.past, length - st.mask.shape[1]), _pad_cache(past, length - width))
+        st.mask = torch.cat([_pad_left(st.mask, length), _pad_left(mask, length)])
+        st.logits = torch.cat([st.logits, logits])
+        st.positions = torch.cat([st.positions, positions])
+        st.rows.extend(rows)
+
+    def _leave(self, keep: list[int]) -> None:
+        """Keeps rows `keep` of the batch; drops the cache columns no kept row attends to."""
+        st = self
+        st.rows = [st.rows[i] for i in keep]
+        if not keep:
+            st.reset()
+            return
+        index = torch.tensor(keep, device=self.engine.device)
+        st.past.batch_select_indices(index)
+        st.mask, st.logits, st.positions = st.mask[index], st.logits[index], st.positions[index]
+        first = int(st.mask.any(0).nonzero()[0])
+        if first:
+            st.mask = st.mask[:, first:]
+            for layer in _dynamic_layers(st.past):
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]

@@ -22,11 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _child import run_child
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "async.json"
@@ -94,16 +94,6 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
         ray.shutdown()
 
 
-def run(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--iters", str(iters), "--seed", str(seed),
-           "--eval-problems", str(eval_problems)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=60, help="iterations per speed run")
@@ -123,7 +113,7 @@ def main() -> None:
     report: dict = json.loads(RESULTS.read_text()) if args.only and RESULTS.exists() else {}
     report.update({"load_avg_1min_at_start": load, "base_overrides": BASE, "variants": VARIANTS})
     if args.only in (None, "speed"):
-        speed = {v: run(v, args.iters, 0, 0) for v in VARIANTS}
+        speed = {v: run_child(__file__, v, args.iters, 0, 0) for v in VARIANTS}
         tg, tt = speed["sync"]["generate_s_median"], speed["sync"]["update_s_median"]
         ideal = (tg + tt) / max(tg, tt)
         ratio = speed["async"]["updates_per_s"] / speed["sync"]["updates_per_s"]
@@ -137,7 +127,7 @@ def main() -> None:
                   f"max trained age {r['trained_max_staleness']:.0f}")
         print(f"async / sync = {ratio:.2f} = {ratio / ideal:.2f} of the ideal")
     if args.only in (None, "accuracy"):
-        acc = {v: [run(v, args.acc_iters, s, 200) for s in args.seeds] for v in ("sync", "async")}
+        acc = {v: [run_child(__file__, v, args.acc_iters, s, 200) for s in args.seeds] for v in ("sync", "async")}
         report["accuracy"] = {}
         for v, runs in acc.items():
             vals = [r["heldout_accuracy"] for r in runs]

@@ -26,11 +26,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _child import run_child
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "streaming.json"
@@ -112,16 +112,6 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
         ray.shutdown()
 
 
-def run(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--iters", str(iters), "--seed", str(seed),
-           "--eval-problems", str(eval_problems)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def file_run(kind: str, result: dict) -> None:
     """Adds one run to the results file (written beside and renamed: a kill loses no run)."""
     report = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"config": str(CONFIG.relative_to(REPO)),
@@ -194,7 +184,7 @@ def main() -> None:
     if args.only in (None, "speed"):
         # repeats interleaved (A B A B ...): a machine's drift spreads over every variant
         for v in [v for _ in range(args.repeats) for v in args.variants]:
-            r = run(v, args.iters, 0, 0)
+            r = run_child(__file__, v, args.iters, 0, 0)
             file_run("speed", r)
             print(f"{v:>14}: {r['updates_per_s']:.3f} updates/s  {r['tokens_per_s_per_runner']:.0f} tokens/s/runner "
                   f"({r['tokens_per_busy_s_per_runner']:.0f} while busy)  "
@@ -205,7 +195,7 @@ def main() -> None:
     if args.only in (None, "accuracy"):
         for seed in args.seeds:
             for v in [v for v in args.variants if v in ACCURACY_VARIANTS]:
-                r = run(v, args.acc_iters, seed, 200)
+                r = run_child(__file__, v, args.acc_iters, seed, 200)
                 file_run("accuracy", r)
                 print(f"{v:>12} seed {seed}: held-out {r['heldout_accuracy']:.3f} after {r['policy_version']} updates",
                       flush=True)

@@ -17,7 +17,8 @@ import torch
 
 from _references import plain_truncated_logp
 from m2po_rllib.rollout.engine import EngineDeadError, SamplingConfig, make_engine
-from m2po_rllib.rollout.vllm_engine import VLLMEngine, pid_alive, serialize_weight_chunks
+from m2po_rllib.rollout.vllm_engine import VLLMEngine, serialize_weight_chunks
+from m2po_rllib.rollout.vllm_health import pid_alive
 
 PROMPTS = ["1+2=", "what is 3*4? ", "(7-5)*2=", "x"]
 ENGINE_KINDS = ["hf", pytest.param("vllm", marks=pytest.mark.slow)]

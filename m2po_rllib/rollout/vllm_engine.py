@@ -32,6 +32,7 @@ import torch
 
 from m2po_rllib.log_filters import quiet_vllm_logging
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+from m2po_rllib.rollout.vllm_health import engine_core_processes, find_death
 from m2po_rllib.sync.vllm_worker import WeightSyncExtension
 from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks: re-exported)
     DEFAULT_SYNC_CHUNK_BYTES,
@@ -43,22 +44,6 @@ from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks
 )
 
 logger = logging.getLogger(__name__)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` runs and is not a zombie (a killed worker its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 class VLLMEngine(GenerationEngine):
@@ -172,7 +157,7 @@ class VLLMEngine(GenerationEngine):
         self.model_path = model_path
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
-        self._core_processes = list(self._engine_manager_processes())
+        self._core_processes = engine_core_processes(self.llm)
         self.worker_pids: list[int] = self.llm.collective_rpc("m2po_pid")
         self._label_weight_version()
 
@@ -374,29 +359,10 @@ class VLLMEngine(GenerationEngine):
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    def _engine_manager_processes(self):
-        """The engine-core processes (multiprocessing.Process), if vLLM runs them out of
-        process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the default)."""
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        manager = getattr(resources, "engine_manager", None)
-        return getattr(manager, "processes", None) or []
-
-    def _find_death(self) -> str | None:
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        if getattr(resources, "engine_dead", False):
-            return "vLLM flagged its engine core dead"
-        for proc in self._core_processes:
-            if not proc.is_alive():
-                return f"engine-core process {proc.pid} exited with code {proc.exitcode}"
-        for pid in self.worker_pids:
-            if pid != os.getpid() and not pid_alive(pid):
-                return f"worker process {pid} is gone"
-        return None
-
     def is_healthy(self) -> bool:
         if self.llm is None or self._dead_reason is not None:
             return False
-        self._dead_reason = self._find_death()
+        self._dead_reason = find_death(self.llm, self._core_processes, self.worker_pids)
         return self._dead_reason is None
 
     def _check_alive(self) -> None:

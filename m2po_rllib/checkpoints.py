@@ -84,17 +84,25 @@ def problems(directory: str | os.PathLike) -> list[str]:
     manifest = directory / MANIFEST
     if not manifest.is_file():
         return [f"no {MANIFEST} (the save did not finish)"]
+    # A save may switch this directory in or out while it is read (a reader beside a writer):
+    # whatever vanishes meanwhile counts as missing, never as an error.
     try:
         files = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return [f"no {MANIFEST} (the directory moved while it was read)"]
     except (ValueError, KeyError, TypeError) as e:
         return [f"unreadable {MANIFEST}: {e}"]
     out = []
     for name, size in files.items():
         p = directory / name
-        if not p.is_file():
+        try:
+            actual = p.stat().st_size if p.is_file() else None
+        except FileNotFoundError:
+            actual = None
+        if actual is None:
             out.append(f"{name} is missing")
-        elif p.stat().st_size != size:
-            out.append(f"{name} has {p.stat().st_size} bytes, {size} were written")
+        elif actual != size:
+            out.append(f"{name} has {actual} bytes, {size} were written")
     return out
 
 
@@ -115,9 +123,15 @@ def newest(path: str | os.PathLike) -> Path | None:
     """The newest sealed checkpoint among `path` and the siblings a killed save leaves, or a
     checkpoint without a manifest at `path` itself (written before manifests existed)."""
     path = Path(path)
-    sealed = [p for p in [path, *_siblings(path)] if p.is_dir() and is_sealed(p)]
+    sealed = []
+    for p in [path, *_siblings(path)]:
+        try:
+            if p.is_dir() and is_sealed(p):
+                sealed.append((p, _manifest(p)))
+        except FileNotFoundError:  # a save switched it in or out meanwhile
+            continue
     if sealed:
-        return max(sealed, key=lambda p: (_manifest(p).get("iteration") or -1, _manifest(p)["time_ns"]))
+        return max(sealed, key=lambda pm: (pm[1].get("iteration") or -1, pm[1]["time_ns"]))[0]
     if path.is_dir() and _legacy(path):
         return path
     return None

@@ -95,6 +95,12 @@ class AsyncRollouts:
         self.admitted += 1
         self.in_flight.setdefault(runner_id, collections.deque()).append(round_index)
 
+    def unsent(self, runner_id: int, round_index: int) -> None:
+        """A round `sent` to a runner whose call could not go out: it is requested again."""
+        self.in_flight[runner_id].remove(round_index)
+        self.reissue.append(round_index)
+        self.admitted -= 1
+
     def num_in_flight(self, runner_id: int | None = None) -> int:
         if runner_id is not None:
             return len(self.in_flight.get(runner_id, ()))

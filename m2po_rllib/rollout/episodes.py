@@ -69,6 +69,11 @@ class Episode:
         self.reward, self.correct, self.truncated, self.done = float(reward), bool(correct), truncated, True
 
 
+def new_episodes(envs, prompt_ids: list[list[int]]) -> list[Episode]:
+    """One episode per env (each reset; `prompt_ids` its first observation's tokens)."""
+    return [Episode(list(ids), env.unwrapped) for ids, env in zip(prompt_ids, envs)]
+
+
 def _env_name(env) -> str:
     spec = getattr(env, "spec", None)
     return getattr(spec, "id", None) or type(getattr(env, "unwrapped", env)).__name__

@@ -112,9 +112,9 @@ def play(engine, envs: list[gym.Env], prompt_ids: list[list[int]], sampling: Cal
          *, max_turns: int, max_tokens: int | None):
     """One episode per env (each reset; `prompt_ids` its first observation), played to the
     end; `sampling(turn)` is the turn's settings."""
-    from m2po_rllib.rollout.episodes import Episode, run_episodes
+    from m2po_rllib.rollout.episodes import new_episodes, run_episodes
 
-    episodes = [Episode(list(ids), env.unwrapped) for ids, env in zip(prompt_ids, envs)]
+    episodes = new_episodes(envs, prompt_ids)
     run_episodes(engine, episodes, sampling, max_turns=max_turns, max_tokens=max_tokens)
     return episodes
 

@@ -256,19 +256,18 @@ class RolloutSampler:
                 if n is None:
                     self.waiting += limit - pipe.num_in_flight(runner_id)
                     break
-                new.append(self.round_request(n, weights))
+                new.append(n)
                 pipe.sent(runner_id, n)
             if not new and not pipe.num_in_flight(runner_id):
                 continue
             sent = self.runners.foreach_env_runner_async(
-                stream_and_metrics, tag=SAMPLE_TAG, kwargs=dict(rounds=new, wait_s=WAIT_S),
+                stream_and_metrics, tag=SAMPLE_TAG,
+                kwargs=dict(rounds=[self.round_request(n, weights) for n in new], wait_s=WAIT_S),
                 remote_worker_ids=[runner_id],
             )
             if not sent:  # RLlib refused the call: the rounds go back to be requested again
-                for request in new:
-                    n = request["first_sample_id"] // self.rows_per_round
-                    pipe.in_flight[runner_id].remove(n)
-                    pipe.reissue.append(n)
+                for n in new:
+                    pipe.unsent(runner_id, n)
                 continue
             self._calling.add(runner_id)
 

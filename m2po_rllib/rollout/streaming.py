@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from m2po_rllib.rollout.episodes import play_turn
+from m2po_rllib.rollout.episodes import new_episodes, play_turn
 from m2po_rllib.rollout.rounds import played_rows, score_groups
 
 WAIT_S = 0.2  # the longest a driver's call waits for a finished round
@@ -98,8 +98,6 @@ class RoundStream:
         self._pending: collections.deque[_Round] = collections.deque()  # requested, not started
         self._active: dict[int, _Round] = {}  # first sample id -> a round whose groups are in flight
         self._done: list[dict] = []  # packed rounds, not yet taken
-        self._free_slots: list[int] = []
-        self._slots = 0
         self._busy_s = 0.0  # seconds the thread worked (loads, steps, scoring), since the last take
         self._error: BaseException | None = None
         self._pause_requests = 0
@@ -239,14 +237,13 @@ class RoundStream:
         engine = self.host.engine
         with self._cv:
             self._pending.popleft()
-        r.slot = self._free_slots.pop() if self._free_slots else self._new_slot()
+        taken = {a.slot for a in self._active.values()}
+        r.slot = next(s for s in range(len(taken) + 1) if s not in taken)  # an env set no active round holds
         r.plan = self._plan(r.request, r.slot)
         r.version = engine.version
         r.started = time.perf_counter()
         if r.plan.multi_turn:
-            from m2po_rllib.rollout.episodes import Episode
-
-            r.episodes = [Episode(list(ids), env.unwrapped) for ids, env in zip(r.plan.prompt_ids, r.plan.envs)]
+            r.episodes = new_episodes(r.plan.envs, r.plan.prompt_ids)
             for e in range(len(r.episodes)):
                 self._submit_turn(r, e)
         else:
@@ -260,10 +257,6 @@ class RoundStream:
         episode = r.episodes[e]
         self.host.engine.submit((r.first_sample_id, e), episode.prompt_ids + episode.token_ids,
                                 r.plan.sampling(episode.turns), index=e)
-
-    def _new_slot(self) -> int:
-        self._slots += 1
-        return self._slots - 1
 
     def _step(self) -> None:
         """One engine step; rounds whose last group finished are scored, packed and filed."""
@@ -286,7 +279,6 @@ class RoundStream:
                 groups = [r.groups[i] for i in range(len(r.plan.prompt_ids))]
                 rows = score_groups(r.plan.envs, r.plan.prompt_ids, groups, generate_s=generate_s)
             batch = self._pack(rows, first, r.version)
-            self._free_slots.append(r.slot)
             with self._cv:
                 self._done.append(batch)
                 self._cv.notify_all()

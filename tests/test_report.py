@@ -122,13 +122,17 @@ def test_report_table_equals_the_histories(train_runs, tmp_path, capsys):
     assert [[e["accuracy"] for e in r["evaluations"]] for r in report["runs"]] == acc
     # one definition: summary.json's final value is the report's
     assert [s["final_heldout_accuracy"] for s in summaries] == pytest.approx([r["final"] for r in report["runs"]])
-    masked = [statistics.fmean(h["masked_frac"] for h in hist if h["masked_frac"] is not None) for hist in histories]
+    # steady state (staleness 2): the iterations after the policy reached version 2 (the third)
+    masked = [statistics.fmean(h["masked_frac"] for before, h in zip(hist, hist[1:]) if before["policy_version"] >= 2)
+              for hist in histories]
     assert all(b > 0 for b in best), "the built-in model answers some held-out problems"
     assert row["final_mean"] == pytest.approx(statistics.fmean(final))
     assert row["final_std"] == pytest.approx(statistics.stdev(final))
     assert row["best_mean"] == pytest.approx(statistics.fmean(best))
     assert row["best_std"] == pytest.approx(statistics.stdev(best))
-    assert row["token_kind"] == "masked" and row["token_frac_mean"] == pytest.approx(statistics.fmean(masked))
+    assert row["token_kind"] == "masked" and row["token_frac_steady_mean"] == pytest.approx(statistics.fmean(masked))
+    assert row["collapsed"] == 0 and row["fell_and_recovered"] == sum(bool(r["falls"]) for r in report["runs"])
+    assert [r["path"] for r in report["runs"]] == [os.path.relpath(r, out) for r in train_runs]
     assert row["updates"] == [histories[0][-1]["policy_version"]] * 2
 
     md = (out / "report.md").read_text()
@@ -136,7 +140,7 @@ def test_report_table_equals_the_histories(train_runs, tmp_path, capsys):
     assert cells[1] == "2 (0, 1)"
     assert cells[2] == f"{statistics.fmean(final):.3f} ± {statistics.stdev(final):.3f}"
     assert cells[3] == f"{statistics.fmean(best):.3f} ± {statistics.stdev(best):.3f}"
-    assert cells[4] == f"masked {100 * statistics.fmean(masked):.2f}%"
+    assert cells[4] == f"masked {100 * statistics.fmean(masked):.3f}%"
     for name in FIGURES:
         assert f"]({name}.png)" in md
 
@@ -218,9 +222,10 @@ def test_lab_report_equals_the_trials_results(lab_experiment):
         assert rows[loss]["updates"] == [results[-1]["policy_version"]] * 2
         label = "m2po, stale 2, tau 0.04, lr 0.0001" if loss == "m2po" else "grpo, stale 2, lr 0.0001"
         assert _row(md, label)[2] == f"{final:.3f}"
-    clipped = [r["learners"]["default_policy"]["grpo/clipped_frac"] for r in _results(lab_experiment / "001_policy_loss=grpo")
-               if "learners" in r]
-    assert rows["grpo"]["token_kind"] == "clipped" and rows["grpo"]["token_frac_mean"] == pytest.approx(statistics.fmean(clipped))
+    # steady state at staleness 2: the iterations after version 2; GRPO, stopped at its first trained step, has none
+    masked = _results(lab_experiment / "000_policy_loss=m2po")[2]["learners"]["default_policy"]["m2po/masked_frac"]
+    assert rows["m2po"]["token_kind"] == "masked" and rows["m2po"]["token_frac_steady_mean"] == pytest.approx(masked)
+    assert rows["grpo"]["token_kind"] is None and _row(md, "grpo, stale 2, lr 0.0001")[4] == "-"
     assert "001_policy_loss=grpo: collapsed: clipped_frac" in md
     for name in FIGURES:
         assert (out / f"{name}.png").stat().st_size > 1000
@@ -369,6 +374,8 @@ def _curve(loss: str, staleness: int, seed: int, iterations: int = 200, interval
             acc = mean + rng.gauss(0, 0.004)
         learner = {}
         old = before >= staleness
+        if staleness and old:  # M2 of 256-stale data ~0.01, below tau (0.04) but for a rare record
+            learner["m2po/m2_before"] = 0.01 * rng.lognormvariate(0, 0.3)
         if loss == "m2po":
             learner["m2po/masked_frac"] = 6e-5 * rng.lognormvariate(0, 0.1) if old and staleness else 0.0
         elif loss == "grpo":
@@ -444,6 +451,30 @@ def test_synthetic_report_final_value_evaluations_claims_and_collapse(synthetic_
     assert "## Claims" in md and "(a) M2PO at stale 256 matches on-policy" in md
     for c in report["claims"]:
         assert f"({c['id']}) {c['text']}" in md
+
+    # one steady-state fraction (mean over each run's records past the ramp, then over seeds) in the
+    # table, the Regime section and claim (d)
+    steady = {}
+    for r in report["runs"]:
+        if r["variant"] == rows[("m2po", 256)]["variant"]:
+            masked = [x["learners"]["default_policy"]["m2po/masked_frac"] for x in _results(synthetic_experiment / Path(r["path"]).name)]
+            steady[r["seed"]] = statistics.fmean(masked[64:])  # the version before iteration 65 is 256
+    assert rows[("m2po", 256)]["token_frac_steady_mean"] == pytest.approx(statistics.fmean(steady.values()))
+    assert claims[("d", "grpo, stale 256")]["values"][0] == pytest.approx({str(s): v for s, v in steady.items()})
+    regime = {r["label"]: r for r in report["regime"]}
+    assert regime["m2po, stale 256, tau 0.04, lr 3e-05"]["token"]["mean"] == pytest.approx(statistics.fmean(steady.values()))
+    assert f"masked {100 * statistics.fmean(steady.values()):.3f}%" in _row(md, "m2po, stale 256, tau 0.04, lr 3e-05")[4]
+    assert all(Path(r["path"]).parent == Path(os.path.relpath(synthetic_experiment, out)) for r in report["runs"])
+
+    # the two regime conditions: M2 ~0.01 (below tau, the tail too); the on-policy arm flat after update 240
+    stale = regime["m2po, stale 256, tau 0.04, lr 3e-05"]
+    assert stale["condition"] == "holds" and stale["tail_ratio"] < 1
+    window = stale["window"]
+    assert window["reference"] == "m2po, stale 0, tau 0.04, lr 3e-05" and window["window"] == 256
+    assert window["horizon"] == [800, 800] and window["condition"] == "holds" and stale["both"].startswith("both hold")
+    assert "## Regime: the two conditions" in md and "| m2po, stale 0, tau 0.04, lr 3e-05 | 256 | 800 |" in md
+    # instability: every no-trust-region run collapsed; none fell and recovered
+    assert _row(md, "grpo_no_tr, stale 256, lr 3e-05")[5] == "3/3, 0/3"
 
 
 def test_report_omits_claims_without_their_variants(synthetic_experiment, tmp_path, capsys):

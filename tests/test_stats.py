@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from m2po_rllib.jobs.stats import betainc, compare, headline, seeds_needed, t_cdf, t_quantile, z
@@ -43,6 +43,7 @@ def test_incomplete_beta_against_closed_forms(x):
 
 @settings(max_examples=60, deadline=None)
 @given(p=st.floats(0.001, 0.999), df=st.floats(0.5, 500))
+@example(p=0.5000000000000001, df=0.5000000000000001)  # t ~ 1e-16: df / (df + t^2) rounds to 1
 def test_t_cdf_inverts_t_quantile(p, df):
     assert t_cdf(t_quantile(p, df), df) == pytest.approx(p, abs=1e-10)
 
@@ -176,15 +177,24 @@ def _run(history, **extra):
 
 
 def test_steady_state_starts_when_the_data_is_as_old_as_the_staleness():
-    from m2po_rllib.jobs.claims import steady_fraction, steady_state
+    from m2po_rllib.jobs.steady import run_value, steady_state
 
     # staleness 4, 2 updates per iteration: iteration 1 fills, 2-3 train younger base-model data
     history = [{"iteration": i, "policy_version": v, "masked_frac": f}
                for i, (v, f) in enumerate([(0, None), (2, 0.0), (4, 0.0), (6, 0.1), (8, 0.3)], 1)]
-    assert [h["iteration"] for h in steady_state(_run(history), 4)] == [4, 5]
-    assert steady_fraction(_run(history), "masked_frac", 4) == pytest.approx(0.2)
-    assert [h["iteration"] for h in steady_state(_run(history), 0)] == [1, 2, 3, 4, 5]
-    assert steady_fraction(_run(history[:3]), "masked_frac", 4) is None
+    assert [h["iteration"] for h in steady_state(history, 4)] == [4, 5]
+    assert run_value(history, "masked_frac", 4) == pytest.approx(0.2)
+    assert [h["iteration"] for h in steady_state(history, 0)] == [1, 2, 3, 4, 5]
+    assert run_value(history[:3], "masked_frac", 4) is None
+
+
+def test_an_arm_is_one_value_per_seed():
+    from m2po_rllib.jobs.stats import per_seed
+
+    runs = [_run([], seed=0), _run([], seed=0), _run([], seed=1), _run([], seed=None), _run([], seed=2)]
+    values = iter([0.1, 0.3, 0.5, 0.7, None])
+    arm = per_seed(runs, lambda r: next(values))
+    assert arm == pytest.approx({0: 0.2, 1: 0.5, "run x": 0.7}), "seed 0 averaged; no seed: its own; None left out"
 
 
 def test_evaluations_are_the_evaluated_iterations_not_the_carried_values():

@@ -8,7 +8,8 @@ averaged), and two arms over the same seeds are paired (`m2po_rllib.jobs.stats`)
 (b) clipped GRPO at the largest staleness is below on-policy training;
 (c) M2PO is above clipped GRPO at the largest staleness both have;
 (d) at that staleness M2PO masks at least 10x fewer tokens than GRPO clips, at steady state
-    (`steady_state`): the ratio of the fractions, tested on log values;
+    (`m2po_rllib.jobs.steady`: each arm's seeds' fractions, as everywhere in the report): the
+    ratio of the fractions, tested on the seeds' log values;
 (e) no trust region (grpo_no_tr) at its largest staleness: prosperity, its early accuracy
     (`early_accuracy`) is not below the other losses' by more than `margin`; then collapse,
     its final accuracy is below its own early accuracy.
@@ -22,11 +23,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from m2po_rllib.jobs.runs import Run, Variant
-from m2po_rllib.jobs.stats import NOT_RESOLVED, Comparison, compare
-from m2po_rllib.keys import POLICY_VERSION
+from m2po_rllib.jobs import steady
+from m2po_rllib.jobs.stats import NOT_RESOLVED, Comparison, compare, per_seed
 
 MARGIN = 0.02  # accuracy (2 points): what "matches" and "not below" allow
 FEWER = 10.0  # (d): masked at least this many times fewer than clipped
@@ -35,25 +36,6 @@ M2PO, GRPO, NO_TR = "m2po", "grpo", "grpo_no_tr"
 
 
 # -- the windows ------------------------------------------------------------------------------
-def steady_state(run: Run, level: int) -> list[dict]:
-    """The records of `run` that trained on data `level` updates old from their first
-    update on: those whose policy_version before the iteration (the previous record's) is
-    >= `level`. Before, the stale-k queue hands out younger base-model data."""
-    out, before = [], 0
-    for h in run.history:
-        if before >= level:
-            out.append(h)
-        if h.get(POLICY_VERSION) is not None:
-            before = h[POLICY_VERSION]
-    return out
-
-
-def steady_fraction(run: Run, name: str, level: int) -> float | None:
-    """The mean of `name` (masked_frac, clipped_frac) over the run's steady-state records."""
-    values = [h[name] for h in steady_state(run, level) if h.get(name) is not None]
-    return statistics.fmean(values) if values else None
-
-
 def early_window(runs: list[Run]) -> float:
     """The first third of training: one third of the latest evaluated update of `runs` (one
     window for every arm, so a run stopped at its collapse is not judged on a shorter one)."""
@@ -68,17 +50,6 @@ def early_accuracy(run: Run, until: float) -> float | None:
 
 
 # -- arms ---------------------------------------------------------------------------------------
-def per_seed(variant: Variant, value: Callable[[Run], float | None]) -> dict[Any, float]:
-    """{seed: value}, the runs of one seed averaged; a run without a seed is its own arm member."""
-    by_seed: dict[Any, list[float]] = {}
-    for r in variant.runs:
-        v = value(r)
-        if v is not None:
-            seed = r.settings.get("seed")
-            by_seed.setdefault(seed if seed is not None else f"run {r.path.name}", []).append(v)
-    return {s: statistics.fmean(vs) for s, vs in by_seed.items()}
-
-
 @dataclass
 class Claim:
     id: str  # "a" .. "e"
@@ -139,7 +110,7 @@ def _final(r: Run) -> float | None:
 
 def _accuracy_claim(cid, text, a: Variant, b: Variant, claim, margin) -> Claim | None:
     """A claim on the arms' final held-out accuracy."""
-    va, vb = per_seed(a, _final), per_seed(b, _final)
+    va, vb = per_seed(a.runs, _final), per_seed(b.runs, _final)
     if not va or not vb:
         return None
     return Claim(cid, text, _setting(a), (_short(a), _short(b)), (va, vb),
@@ -174,16 +145,23 @@ def evaluate_claims(variants: list[Variant], margin: float = MARGIN) -> list[Cla
 
 def _fraction_claim(m2po: Variant, grpo: Variant, level: int) -> Claim | None:
     """(d): log masked fraction - log clipped fraction < log(1/FEWER), per seed."""
-    masked = per_seed(m2po, lambda r: steady_fraction(r, "masked_frac", level))
-    clipped = per_seed(grpo, lambda r: steady_fraction(r, "clipped_frac", level))
-    if not masked or not clipped:
+    masked, clipped = steady.fraction(m2po.runs, level), steady.fraction(grpo.runs, level)
+    if masked is None or clipped is None or (masked.kind, clipped.kind) != ("masked", "clipped"):
         return None
+    masked, clipped = masked.seeds, clipped.seeds
     log_m = {s: math.log(max(v, FRACTION_FLOOR)) for s, v in masked.items()}
     log_c = {s: math.log(max(v, FRACTION_FLOOR)) for s, v in clipped.items()}
     comparison = compare(log_m, log_c, "less", threshold=-math.log(FEWER))
     return Claim("d", f"M2PO masks at least {FEWER:g}x fewer tokens than GRPO clips at stale {level}", _setting(m2po),
                  (_short(m2po), _short(grpo)), (masked, clipped), comparison, scale="log ratio",
                  details={"window": f"records whose policy_version before the iteration >= {level}"})
+
+
+def reference(variants: list[Variant], variant: Variant) -> Variant | None:
+    """The on-policy variant the claims compare `variant` with (its setting's, same loss and
+    tau first, else M2PO's, else any), or None."""
+    group = _groups(variants).get((variant.key[1], variant.key[4], variant.key[5]), [])
+    return _on_policy(group, variant.key[0], variant.key[3])
 
 
 def _no_trust_region_claims(group, margin) -> list[Claim]:
@@ -194,16 +172,16 @@ def _no_trust_region_claims(group, margin) -> list[Claim]:
     subject = _at(no_tr, NO_TR, top)[0]
     others = [v for v in group if v.key[2] == top and v.key[0] in (M2PO, GRPO)]
     until = early_window([r for v in (subject, *others) for r in v.runs])
-    early = per_seed(subject, lambda r: early_accuracy(r, until))
+    early = per_seed(subject.runs, lambda r: early_accuracy(r, until))
     out = []
     window = {"early": f"the evaluations at updates (0, {until:.0f}]: the first third of the longest run"}
     for other in others:
-        theirs = per_seed(other, lambda r: early_accuracy(r, until))
+        theirs = per_seed(other.runs, lambda r: early_accuracy(r, until))
         if early and theirs:
             out.append(Claim("e", f"no trust region at stale {top}: early accuracy not below {_short(other)}'s",
                              _setting(subject), (_short(subject), _short(other)), (early, theirs),
                              compare(early, theirs, "not_lower", margin=margin), details=window))
-    late = per_seed(subject, _final)
+    late = per_seed(subject.runs, _final)
     if early and late:
         collapsed = sum(r.collapsed for r in subject.runs)
         out.append(Claim("e", f"no trust region at stale {top}: then collapse, final below its own early accuracy",
@@ -237,9 +215,10 @@ def claim_line(c: Claim) -> str:
     cmp = c.comparison
     (a, b), (va, vb) = c.arms, c.values
     if c.scale == "log ratio":
-        gm = lambda vals: math.exp(statistics.fmean(math.log(max(v, FRACTION_FLOOR)) for v in vals.values()))
-        numbers = (f"{a} masked {100 * gm(va):.4f}% ({cmp.n_a} seeds) vs {b} clipped {100 * gm(vb):.4f}% "
-                   f"({cmp.n_b} seeds), at steady state ({c.details['window']}); ratio {math.exp(cmp.diff):.3g}")
+        numbers = (f"{a} masked {100 * statistics.fmean(va.values()):.4f}% ({cmp.n_a} seeds) vs {b} clipped "
+                   f"{100 * statistics.fmean(vb.values()):.4f}% ({cmp.n_b} seeds), at steady state "
+                   f"({c.details['window']}; means over seeds); ratio of the seeds' geometric means "
+                   f"{math.exp(cmp.diff):.3g}")
     else:
         numbers = (f"{a} {cmp.mean_a:.3f} ({cmp.n_a} seeds) vs {b} {cmp.mean_b:.3f} ({cmp.n_b} seeds); "
                    f"difference {cmp.diff:+.3f}")

@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from m2po_rllib.errors import ConfigError
+from m2po_rllib.jobs.falls import Fall, falls
 from m2po_rllib.jobs.history import history_record
 from m2po_rllib.jobs.stats import headline
 from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.rollout.staleness import AUTO
 
 SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed",
-            "engine_kwargs", "recompute_behavior_logp", "rollout_correction", "evaluation_interval")
+            "engine_kwargs", "recompute_behavior_logp", "rollout_correction", "evaluation_interval",
+            "evaluation_duration")
 LAST_K = 3  # the last held-out evaluations averaged into a run's final value (`m2po report --last-k`)
 _SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
@@ -105,6 +107,16 @@ class Run:
     def collapsed(self) -> bool:
         return self.collapse is not None
 
+    @property
+    def falls(self) -> list[Fall]:
+        """Its falls (`m2po_rllib.jobs.falls`: held-out accuracy well below its best, recovered or not)."""
+        n = self.settings.get("evaluation_duration")
+        return falls(self.evaluations, heldout_size=int(n) if isinstance(n, (int, float)) else None)
+
+    @property
+    def recovered_falls(self) -> list[Fall]:
+        return [f for f in self.falls if f.recovered is not None]
+
     def describe(self) -> str | None:
         """Its collapse and why it ended early, for the report's notes, or None."""
         parts = []
@@ -112,6 +124,7 @@ class Run:
             c = self.collapse
             found = " (found by the report in its history)" if c.get("source") == "report" else ""
             parts.append(f"collapsed: {c['reason']} at iteration {c.get('training_iteration')}{found}")
+        parts += [f"fell and recovered: {f.describe()}" for f in self.recovered_falls]
         if self.note:
             parts.append(self.note)
         return f"{self.path.name}: {'; '.join(parts)}" if parts else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 CLAIMS = ("greater", "less", "not_lower", "equivalent")
 HOLDS, DOES_NOT_HOLD, NOT_RESOLVED = "holds", "does not hold", "not resolved"
@@ -37,6 +37,19 @@ def headline(values: Sequence[float], k: int) -> float | None:
     if k < 1:
         raise ValueError(f"k ({k}) must be >= 1: the number of last evaluations averaged")
     return statistics.fmean(values[-k:]) if values else None
+
+
+def per_seed(runs: Iterable, value: Callable[[Any], float | None]) -> dict[Any, float]:
+    """An arm: {seed: value} over `runs` (objects with `.settings["seed"]` and `.path`), the
+    runs of one seed averaged; a run without a seed is its own member; runs with no value
+    (None) left out."""
+    by_seed: dict[Any, list[float]] = {}
+    for r in runs:
+        v = value(r)
+        if v is not None:
+            seed = r.settings.get("seed")
+            by_seed.setdefault(seed if seed is not None else f"run {r.path.name}", []).append(v)
+    return {s: statistics.fmean(vs) for s, vs in by_seed.items()}
 
 
 # -- Student's t ------------------------------------------------------------------------------
@@ -73,10 +86,15 @@ def betainc(a: float, b: float, x: float) -> float:
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with `df` (> 0, not necessarily whole) degrees of freedom:
-    the upper tail is I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    the upper tail is I_{df/(df+t^2)}(df/2, 1/2) / 2. Near t = 0 that x rounds to 1 and loses
+    t's digits, so there it is 1/2 - I_{t^2/(df+t^2)}(1/2, df/2) / 2 (the same, by symmetry)."""
     if df <= 0:
         raise ValueError(f"df ({df}) must be > 0")
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
+    t2 = t * t
+    if t2 < df:
+        tail = 0.5 - 0.5 * betainc(0.5, df / 2.0, t2 / (df + t2))
+    else:
+        tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t2))
     return 1.0 - tail if t > 0 else tail
 
 

@@ -23,10 +23,14 @@ train: setup
 lab: setup
 	$(VENV)/bin/m2po lab --space $(SPACE) $(ARGS)
 
-# In which regime a config trains (~10 min here): M2 of 256-stale data as a multiple of tau
-# at three learning rates; the report (its "Regime" section, regime.png) in runs/calibrate/report.
+# In which regime a config trains: the paper's two conditions. M2 of stale data as a multiple
+# of tau at three learning rates (calibrate.yaml), and the on-policy arm's held-out change within
+# one staleness window at two (calibrate_window.yaml); one report (its "Regime" section, with a
+# verdict on each condition) in runs/calibrate/report. Interrupted? The same command continues.
 calibrate: setup
-	$(VENV)/bin/m2po lab --space tune/spaces/calibrate.yaml --out runs/calibrate $(ARGS)
+	$(VENV)/bin/m2po lab --space tune/spaces/calibrate.yaml --out runs/calibrate/m2 --no-report $(ARGS)
+	$(VENV)/bin/m2po lab --space tune/spaces/calibrate_window.yaml --out runs/calibrate/window --no-report $(ARGS)
+	$(VENV)/bin/m2po report runs/calibrate/m2 runs/calibrate/window --out runs/calibrate/report
 
 # The paper's comparison in miniature, in the paper's regime (23 min here): M2PO vs GRPO vs
 # no trust region at staleness 256 and M2PO on-policy, 3 seeds, 1024 updates, 1000 held-out

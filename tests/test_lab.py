@@ -73,7 +73,8 @@ def test_the_powered_repro_adds_seeds_to_the_repro():
 
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_powered.yaml",
-                                  "calibrate.yaml", "paper_mini_8token.yaml", "paper_mini_8token_tau.yaml"])
+                                  "calibrate.yaml", "calibrate_window.yaml", "paper_mini_8token.yaml",
+                                  "paper_mini_8token_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):
     space = load_space(REPO / "tune" / "spaces" / name)
     losses = {t.config.policy_loss for t in space.trials}
@@ -93,8 +94,23 @@ def test_shipped_spaces_validate_every_trial(name):
         assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
     elif name.startswith("paper_mini_8token"):  # the history's spaces still validate
         assert stale and {t.config.seed for t in space.trials} == {0, 1, 2}
-    elif name == "calibrate.yaml":  # stale runs of M2PO and GRPO at more than one lr
-        assert stale == {256} and {"m2po", "grpo"} <= losses and len({t.config.lr for t in space.trials}) >= 2
+    elif name == "calibrate.yaml":  # stale runs of M2PO and GRPO at more than one lr, at 256 and a smaller window
+        assert stale == {64, 256} and {"m2po", "grpo"} <= losses and len({t.config.lr for t in space.trials}) >= 2
+    elif name == "calibrate_window.yaml":
+        # paper_mini's on-policy arm (task, steps, held-out set, horizon) at >= 2 lrs, >= 3 seeds each (an
+        # interval over seeds), evaluated often enough for a slope at the end: >= 3 evaluations in its last quarter
+        mini = load_space(REPO / "tune" / "spaces" / "paper_mini.yaml")
+        ref = next(t.config for t in mini.trials if t.config.staleness == 0)
+        assert arms == {("m2po", 0)} and space.stop == mini.stop
+        lrs = {t.config.lr for t in space.trials}
+        assert ref.lr in lrs and len(lrs) >= 2
+        assert all(sum(t.config.lr == lr for t in space.trials) >= 3 for lr in lrs)
+        for t in space.trials:
+            c = t.config
+            assert (c.env_config, c.prompts_per_step, c.minibatch_prompts, c.group_size, c.evaluation_duration) == (
+                ref.env_config, ref.prompts_per_step, ref.minibatch_prompts, ref.group_size, ref.evaluation_duration)
+            updates_between = c.evaluation_interval * c.prompts_per_step // c.minibatch_prompts
+            assert 0.25 * space.stop["policy_version"] / updates_between >= 2
     elif name == "cpu.yaml":  # fits this 2-CPU machine, one CPU a trial; every loss on- and off-policy
         assert losses == {"m2po", "grpo", "grpo_no_tr"} and stale == {0, 64}
         assert {(t.config.policy_loss, t.config.staleness) for t in space.trials} == {

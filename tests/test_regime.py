@@ -91,12 +91,14 @@ def _evaluated(seed: int, slope_per_update: float, noise: float, every: int = 64
     return Run(Path(f"/runs/on{seed}"), {"seed": seed, "evaluation_interval": every // 4}, history)
 
 
-def test_the_window_change_is_the_slope_over_the_last_two_windows_times_the_window():
+def test_the_window_change_is_the_slope_over_the_last_two_windows_or_quarter_times_the_window():
     evals = [Evaluation(0, 0, 0.0), Evaluation(1, 256, 0.5), Evaluation(2, 512, 0.30), Evaluation(3, 768, 0.32),
              Evaluation(4, 1024, 0.34)]
     # updates 512, 768, 1024 (the last 2 x 256): 0.02 per 256; the early jump to 0.5 is outside
     assert regime.window_change(evals, 256) == pytest.approx(0.02)
     assert regime.window_change(evals, 128) == pytest.approx(0.01)  # 768, 1024 only: 0.02 per 256 = 0.01 per 128
+    # a short window: the last quarter of the run (256 updates: 768, 1024), not two windows (one evaluation)
+    assert regime.window_change(evals, 32) == pytest.approx(0.0025)
     assert regime.window_change(evals[:1], 256) is None
 
 

@@ -10,8 +10,8 @@
    about as lr^2 (the policy moves lr per update), so a 3x larger lr sits ~9x higher.
 2. **A small change of the policy within one staleness window**, where the comparison is
    made: the on-policy arm's held-out accuracy change per `staleness` updates at the end of
-   its runs (a run's least-squares slope over its evaluations in the last two windows, times
-   the window; one value per seed). A stale arm trains on data one window behind, so where
+   its runs (a run's least-squares slope over its evaluations in the last two windows or the
+   last quarter of the run, whichever is longer, times the window; one value per seed). A stale arm trains on data one window behind, so where
    the on-policy arm still gains 2 points a window, "the stale arm matches on-policy within
    2 points" is not what is tested. It holds when the change is equivalent to 0 within
    ±`WINDOW_SHARE` x the claims' margin (TOST on the seeds' values, 90% interval,
@@ -108,13 +108,13 @@ def markdown(rows: list[Regime]) -> str:
 # -- condition 2: the policy's change within one staleness window -------------------------------
 def window_change(evaluations: Sequence, window: int) -> float | None:
     """A run's held-out accuracy change per `window` updates at its end: the least-squares
-    slope over its evaluations (`.update`, `.accuracy`) in the last two windows, times the
-    window; None with fewer than two evaluations there."""
+    slope over its evaluations (`.update`, `.accuracy`) in its last `span` updates, times the
+    window; None with fewer than two evaluations there (`span`: module docstring)."""
     points = [(e.update, e.accuracy) for e in evaluations if e.update is not None]
     if not points:
         return None
     end = points[-1][0]
-    points = [(u, a) for u, a in points if u >= end - 2 * window]
+    points = [(u, a) for u, a in points if u >= end - span(window, end)]
     if len(points) < 2:
         return None
     mu, ma = statistics.fmean(u for u, _ in points), statistics.fmean(a for _, a in points)
@@ -122,6 +122,13 @@ def window_change(evaluations: Sequence, window: int) -> float | None:
     if spread == 0:
         return None
     return window * sum((u - mu) * (a - ma) for u, a in points) / spread
+
+
+def span(window: int, end: int) -> float:
+    """The updates before a run's last evaluation that its slope is fitted over: two windows,
+    or the last quarter of the run when that is longer (a short window's two would hold one or
+    two evaluations)."""
+    return max(2 * window, end / 4)
 
 
 @dataclass

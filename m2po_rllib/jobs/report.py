@@ -216,8 +216,8 @@ def regime_section(variants: list[Variant], out_dir: Path, margin: float):
     if figure:
         md += [f"![regime]({Path(figure).name})", ""]
     md += ["**Condition 2.** The on-policy arm's held-out accuracy change per window of the stale arms' staleness, "
-           "at the end of its runs (each seed's least-squares slope over its evaluations in the last two windows, "
-           f"times the window). It holds when the change is equivalent to 0 within ±{regime.WINDOW_SHARE:g} x the "
+           "at the end of its runs (each seed's least-squares slope over its evaluations in the last two windows or "
+           f"the last quarter of the run, whichever is longer, times the window). It holds when the change is equivalent to 0 within ±{regime.WINDOW_SHARE:g} x the "
            f"claims' margin (TOST, 90% interval over seeds), does not hold when the interval lies outside.", ""]
     md += [regime.drift_markdown(measured), ""] if measured else ["No on-policy arm with evaluations to measure it.", ""]
     md += ["| variant | condition 1 (M2) | condition 2 (window) | both |", "|---|---|---|---|",

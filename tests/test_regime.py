@@ -34,8 +34,9 @@ def test_steady_state_is_the_records_trained_on_data_as_old_as_the_staleness():
     # the version before each record: 0 (none), 0, 4, 8, 12 -> steady from the record after version 8
     assert [h["policy_version"] for h in steady.steady_state(history, 8)] == [12, 16]
     assert [h["policy_version"] for h in steady.steady_state(history, 0)] == [0, 4, 8, 12, 16]
-    assert steady.steady_state(history, "auto") == history, "an async 'auto' bound: no ramp"
-    assert steady.level(True) == 0 and steady.level(256) == 256
+    assert steady.steady_state(history, "auto", "async") == history, "an async 'auto' bound: no ramp"
+    assert steady.steady_state(history, 8, "async") == history, "an async bound is not an age: no ramp"
+    assert steady.start(True) == 0 and steady.start(256) == 256 and steady.start(256, "async") == 0
 
 
 def test_the_steady_fraction_is_a_mean_over_records_then_seeds():

@@ -145,7 +145,8 @@ def evaluate_claims(variants: list[Variant], margin: float = MARGIN) -> list[Cla
 
 def _fraction_claim(m2po: Variant, grpo: Variant, level: int) -> Claim | None:
     """(d): log masked fraction - log clipped fraction < log(1/FEWER), per seed."""
-    masked, clipped = steady.fraction(m2po.runs, level), steady.fraction(grpo.runs, level)
+    mode = m2po.key[1]
+    masked, clipped = steady.fraction(m2po.runs, level, mode), steady.fraction(grpo.runs, level, mode)
     if masked is None or clipped is None or (masked.kind, clipped.kind) != ("masked", "clipped"):
         return None
     masked, clipped = masked.seeds, clipped.seeds
@@ -154,7 +155,7 @@ def _fraction_claim(m2po: Variant, grpo: Variant, level: int) -> Claim | None:
     comparison = compare(log_m, log_c, "less", threshold=-math.log(FEWER))
     return Claim("d", f"M2PO masks at least {FEWER:g}x fewer tokens than GRPO clips at stale {level}", _setting(m2po),
                  (_short(m2po), _short(grpo)), (masked, clipped), comparison, scale="log ratio",
-                 details={"window": f"records whose policy_version before the iteration >= {level}"})
+                 details={"window": f"records whose policy_version before the iteration >= {steady.start(level, mode)}"})
 
 
 def reference(variants: list[Variant], variant: Variant) -> Variant | None:

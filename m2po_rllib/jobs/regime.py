@@ -83,12 +83,13 @@ def regime(label: str, settings: dict, runs) -> Regime:
     runs = list(runs)
     staleness = settings.get("staleness")
     tau = settings.get("m2_threshold") if settings.get("policy_loss", "").startswith("m2po") else None
-    records = [h for r in runs for h in steady.steady_state(r.history, staleness)]
+    mode = settings.get("mode", "stale-k")
+    records = [h for r in runs for h in steady.steady_state(r.history, staleness, mode)]
     m2 = sorted(h["m2_before"] for h in records if h.get("m2_before") is not None)
     return Regime(
         label=label, lr=settings.get("lr"), staleness=staleness, tau=float(tau or PAPER_TAU),
         m2_median=statistics.median(m2) if m2 else None, m2_q90=percentile(m2, TAIL) if m2 else None,
-        token=steady.fraction(runs, staleness), records=len(records),
+        token=steady.fraction(runs, staleness, mode), records=len(records),
     )
 
 

@@ -34,7 +34,7 @@ def summarize(variant: Variant, out_dir: Path) -> dict[str, Any]:
     runs = variant.runs
     final = [r.final for r in runs if r.final is not None]
     best = [r.best for r in runs if r.best is not None]
-    fraction = steady.fraction(runs, variant.key[2])
+    fraction = steady.fraction(runs, variant.key[2], variant.key[1])
     updates = [r.values(POLICY_VERSION)[-1] for r in runs if r.values(POLICY_VERSION)]
     times = [r.history[-1]["time_s"] for r in runs]
     speeds = [u for r in runs if (u := updates_per_s(r)) is not None]

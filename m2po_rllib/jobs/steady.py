@@ -26,26 +26,29 @@ from m2po_rllib.keys import POLICY_VERSION
 KINDS = ("masked", "clipped")  # masked_frac (M2PO), clipped_frac (the clip losses)
 
 
-def level(staleness) -> int:
-    """The age from which a run's data is as old as its staleness: the stale-k staleness, 0
-    for on-policy, async bounds and "auto" (their data's age varies by round)."""
-    return staleness if isinstance(staleness, int) and not isinstance(staleness, bool) and staleness > 0 else 0
+def start(staleness, mode: str = "stale-k") -> int:
+    """The policy version from which a run trains on data as old as its staleness: the stale-k
+    staleness; 0 on-policy and in async mode (a bound or "auto", not an age: the data's age
+    varies by round)."""
+    if mode != "stale-k" or not isinstance(staleness, int) or isinstance(staleness, bool):
+        return 0
+    return max(staleness, 0)
 
 
-def steady_state(history: list[dict], staleness) -> list[dict]:
+def steady_state(history: list[dict], staleness, mode: str = "stale-k") -> list[dict]:
     """The records of `history` that trained on data as old as `staleness` (module docstring)."""
-    start, out, before = level(staleness), [], 0
+    first, out, before = start(staleness, mode), [], 0
     for h in history:
-        if before >= start:
+        if before >= first:
             out.append(h)
         if h.get(POLICY_VERSION) is not None:
             before = h[POLICY_VERSION]
     return out
 
 
-def run_value(history: list[dict], name: str, staleness) -> float | None:
+def run_value(history: list[dict], name: str, staleness, mode: str = "stale-k") -> float | None:
     """The mean of `name` over the run's steady-state records, or None without a value there."""
-    values = [h[name] for h in steady_state(history, staleness) if h.get(name) is not None]
+    values = [h[name] for h in steady_state(history, staleness, mode) if h.get(name) is not None]
     return statistics.fmean(values) if values else None
 
 
@@ -62,12 +65,12 @@ class SteadyFraction:
     seeds: dict  # {seed: value}
 
 
-def fraction(runs, staleness) -> SteadyFraction | None:
+def fraction(runs, staleness, mode: str = "stale-k") -> SteadyFraction | None:
     """The steady-state masked or clipped fraction of `runs` (objects with `.history` and
     `.settings["seed"]`), combined as the module docstring says; None without one."""
     runs = list(runs)
     kind = kind_of(r.history for r in runs)
     if kind is None:
         return None
-    seeds = per_seed(runs, lambda r: run_value(r.history, f"{kind}_frac", staleness))
+    seeds = per_seed(runs, lambda r: run_value(r.history, f"{kind}_frac", staleness, mode))
     return SteadyFraction(kind, statistics.fmean(seeds.values()), seeds) if seeds else None

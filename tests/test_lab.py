@@ -73,8 +73,8 @@ def test_the_powered_repro_adds_seeds_to_the_repro():
 
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_powered.yaml",
-                                  "calibrate.yaml", "calibrate_window.yaml", "paper_mini_8token.yaml",
-                                  "paper_mini_8token_tau.yaml"])
+                                  "calibrate.yaml", "calibrate_window.yaml", "paper_mini_s64.yaml",
+                                  "paper_mini_8token.yaml", "paper_mini_8token_tau.yaml"])
 def test_shipped_spaces_validate_every_trial(name):
     space = load_space(REPO / "tune" / "spaces" / name)
     losses = {t.config.policy_loss for t in space.trials}
@@ -92,6 +92,22 @@ def test_shipped_spaces_validate_every_trial(name):
         assert {t.config.evaluation_duration for t in space.trials} == {1000}
         assert all(t.config.env_config["heldout_size"] >= 1000 for t in space.trials)
         assert {trial_resources(t.config)["CPU"] for t in space.trials} == {1.0}
+    elif name == "paper_mini_s64.yaml":
+        # paper_mini's comparison with the staleness scaled to 64: its four arms, paired seeds, task,
+        # steps, held-out set and horizon; evaluated often enough for condition 2 at a window of 64
+        mini = load_space(REPO / "tune" / "spaces" / "paper_mini.yaml")
+        assert arms == {("m2po", 0), ("m2po", 64), ("grpo", 64), ("grpo_no_tr", 64)} and space.stop == mini.stop
+        seeds = {arm: sorted(t.config.seed for t in space.trials if (t.config.policy_loss, t.config.staleness) == arm)
+                 for arm in arms}
+        assert len({tuple(s) for s in seeds.values()}) == 1 and len(seeds[("m2po", 0)]) >= 3
+        ref = mini.trials[0].config
+        for t in space.trials:
+            c = t.config
+            assert (c.lr, c.env_config, c.prompts_per_step, c.minibatch_prompts, c.evaluation_duration, c.m2_threshold) == (
+                ref.lr, ref.env_config, ref.prompts_per_step, ref.minibatch_prompts, ref.evaluation_duration,
+                ref.m2_threshold)
+            updates_between = c.evaluation_interval * c.prompts_per_step // c.minibatch_prompts
+            assert 0.25 * space.stop["policy_version"] / updates_between >= 2
     elif name.startswith("paper_mini_8token"):  # the history's spaces still validate
         assert stale and {t.config.seed for t in space.trials} == {0, 1, 2}
     elif name == "calibrate.yaml":  # stale runs of M2PO and GRPO at more than one lr, at 256 and a smaller window

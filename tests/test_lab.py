@@ -72,6 +72,23 @@ def test_the_powered_repro_adds_seeds_to_the_repro():
     assert len({c[2] for c in cells(base) | cells(more)}) >= 10
 
 
+def test_the_powered_window_calibration_adds_seeds_of_the_same_arm():
+    """calibrate_window_powered.yaml: calibrate_window.yaml's lr-1e-5 arm, every setting but the
+    seed, and seeds that arm does not have (so the two report as one arm of 6 seeds)."""
+    base, more = (load_space(REPO / "tune" / "spaces" / n) for n in ("calibrate_window.yaml",
+                                                                    "calibrate_window_powered.yaml"))
+
+    def settings(trials):
+        return {(t.config.policy_loss, t.config.staleness, t.config.lr, t.config.prompts_per_step,
+                 t.config.minibatch_prompts, t.config.evaluation_interval, t.config.evaluation_duration,
+                 str(t.config.env_config)) for t in trials}
+
+    arm = [t for t in base.trials if t.config.lr == 1e-5]
+    assert settings(more.trials) == settings(arm) and len(settings(arm)) == 1 and base.stop == more.stop
+    seeds = [t.config.seed for t in more.trials]
+    assert len(seeds) >= 3 and not set(seeds) & {t.config.seed for t in arm}
+
+
 @pytest.mark.parametrize("name", ["cpu.yaml", "gpu_cluster.yaml", "paper_mini.yaml", "paper_mini_powered.yaml",
                                   "calibrate.yaml", "calibrate_window.yaml", "paper_mini_s64.yaml",
                                   "paper_mini_8token.yaml", "paper_mini_8token_tau.yaml"])

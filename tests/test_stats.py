@@ -140,21 +140,35 @@ def test_not_lower_and_a_threshold():
     assert compare(masked, clipped, "less", threshold=math.log(0.001)).verdict == "does not hold"
 
 
-def test_seed_counts_follow_their_formulas():
+def _satisfies(n, sd, gap, qa, qb, paired):
+    """n >= f ((t_qa + t_qb) sd / gap)^2 at n's degrees of freedom."""
+    f, df = (1, n - 1) if paired else (2, 2 * n - 2)
+    return n >= f * ((t_quantile(qa, df) + t_quantile(qb, df)) * sd / gap) ** 2
+
+
+def test_seed_counts_are_the_smallest_that_reach_their_t_formulas():
     z975, z8, z95, z9 = z(0.975), z(0.8), z(0.95), z(0.9)
-    assert seeds_needed(0.1, 0.1, paired=False, claim="greater") == math.ceil(2 * (z975 + z8) ** 2) == 16
-    assert seeds_needed(0.1, -0.1, paired=True, claim="less") == math.ceil((z975 + z8) ** 2) == 8
-    assert seeds_needed(0.02, 0.0, paired=False, claim="equivalent", margin=0.02) == math.ceil(2 * (z95 + z9) ** 2)
-    off_by_half = math.ceil(2 * (2 * (z95 + z8)) ** 2)  # sd / (margin - |delta|) = 2
-    assert seeds_needed(0.02, 0.01, paired=False, claim="equivalent", margin=0.02) == off_by_half
-    assert seeds_needed(0.02, 0.03, paired=False, claim="equivalent", margin=0.02) == off_by_half
+    cases = [  # (sd, delta, paired, claim, margin), (qa, qb, gap), the normal count
+        ((0.1, 0.1, False, "greater", None), (0.975, 0.8, 0.1), math.ceil(2 * (z975 + z8) ** 2)),
+        ((0.1, -0.1, True, "less", None), (0.975, 0.8, 0.1), math.ceil((z975 + z8) ** 2)),
+        ((0.02, 0.0, False, "equivalent", 0.02), (0.95, 0.9, 0.02), math.ceil(2 * (z95 + z9) ** 2)),
+        ((0.02, 0.01, False, "equivalent", 0.02), (0.95, 0.8, 0.01), math.ceil(2 * (2 * (z95 + z8)) ** 2)),
+        ((0.02, 0.03, False, "equivalent", 0.02), (0.95, 0.8, 0.01), math.ceil(2 * (2 * (z95 + z8)) ** 2)),
+        ((0.01, 0.02, True, "greater", None), (0.975, 0.8, 0.02), 2),
+    ]
+    for (sd, delta, paired, claim, margin), (qa, qb, gap), normal in cases:
+        n = seeds_needed(sd, delta, paired=paired, claim=claim, margin=margin)
+        assert _satisfies(n, sd, gap, qa, qb, paired) and (n == 2 or not _satisfies(n - 1, sd, gap, qa, qb, paired))
+        assert n >= normal, "t's quantiles are wider than the normal's"
+    # at 16 seeds a side the t count is one or two above the normal one; at 3 the gap is wide
+    assert seeds_needed(0.1, 0.1, paired=False, claim="greater") in (17, 18)
     assert seeds_needed(0.0, 0.1, paired=False, claim="greater") == 2
     assert seeds_needed(0.1, 0.0, paired=False, claim="greater") is None
 
 
 def test_the_seed_count_gives_about_80_percent_power():
     """Simulated: with the seeds it asks for, a true difference of 1 sd holds ~80% of the
-    time (a little less: the count is the normal approximation, the test uses t)."""
+    time (the count uses t's quantiles, as the test does)."""
     rng = random.Random(4)
     n = seeds_needed(1.0, 1.0, paired=False, claim="greater")
     wins = sum(compare(_arm(1.0, 1.0, n, rng), _arm(0.0, 1.0, n, rng), "greater").verdict == "holds"

@@ -159,17 +159,20 @@ def is_paired(a, b) -> bool:
 
 def seeds_needed(sd: float | None, delta: float, *, paired: bool, claim: str,
                  margin: float | None = None) -> int | None:
-    """Seeds per arm for 80% power, normal approximation (Chow, Shao & Wang, "Sample Size
-    Calculations in Clinical Research", ch. 3), with f = 1 paired (sd of the per-seed
-    differences) and f = 2 unpaired (pooled sd):
+    """Seeds per arm for 80% power (Chow, Shao & Wang, "Sample Size Calculations in Clinical
+    Research", ch. 3), with f = 1 paired (sd of the per-seed differences) and f = 2 unpaired
+    (pooled sd): the smallest n with n >= f ((q_a + q_b) sd / gap)^2, where q_a and q_b are
+    quantiles of Student's t at the test's degrees of freedom for n seeds (n - 1 paired,
+    2 n - 2 unpaired): the t refinement of the normal count, which at 3-6 seeds asks for too
+    few (it would call 3 seeds enough where a t interval on 2 degrees of freedom is not):
 
-    - a difference ("greater", "less", "not_lower"): n = f ((z_0.975 + z_0.8) sd / delta)^2,
-      delta the observed distance of the difference from the claim's bound (the threshold,
-      or -margin for "not_lower");
+    - a difference ("greater", "less", "not_lower"): q_a = t_0.975, q_b = t_0.8, gap the
+      observed distance of the difference from the claim's bound (the threshold, or -margin
+      for "not_lower");
     - "equivalent" (TOST at 5% per side), delta the observed difference: when |delta| <
-      margin, n = f ((z_0.95 + z_0.9) sd / margin)^2 for delta = 0 and n = f ((z_0.95 +
-      z_0.8) sd / (margin - |delta|))^2 otherwise; when |delta| > margin (to show it lies
-      outside), n = f ((z_0.95 + z_0.8) sd / (|delta| - margin))^2.
+      margin, q_a = t_0.95 and q_b = t_0.9 for delta = 0, t_0.8 otherwise, gap = margin -
+      |delta|; when |delta| > margin (to show it lies outside), q_b = t_0.8 and gap = |delta| -
+      margin.
 
     At least 2 (a t interval needs two); None without an sd or when the effect is exactly
     at the bound (no number of seeds resolves it)."""
@@ -178,12 +181,19 @@ def seeds_needed(sd: float | None, delta: float, *, paired: bool, claim: str,
     f = 1.0 if paired else 2.0
     if claim == "equivalent":
         gap = margin - abs(delta) if abs(delta) < margin else abs(delta) - margin
-        zs = z(1 - ALPHA) + (z(1 - (1 - POWER) / 2) if delta == 0 else z(POWER))
+        qa, qb = 1 - ALPHA, (1 - (1 - POWER) / 2 if delta == 0 else POWER)
     else:
-        gap, zs = abs(delta), z(1 - ALPHA / 2) + z(POWER)
+        gap, qa, qb = abs(delta), 1 - ALPHA / 2, POWER
     if gap == 0:
         return None
-    return max(2, math.ceil(f * (zs * sd / gap) ** 2))
+    if sd == 0:
+        return 2
+    n = max(2, math.ceil(f * ((z(qa) + z(qb)) * sd / gap) ** 2))  # the normal count: never more
+    while True:
+        df = n - 1 if paired else 2 * n - 2
+        if n >= f * ((t_quantile(qa, df) + t_quantile(qb, df)) * sd / gap) ** 2:
+            return n
+        n += 1
 
 
 def compare(a, b, claim: str, *, margin: float | None = None, threshold: float = 0.0) -> Comparison:

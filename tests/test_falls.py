@@ -59,6 +59,6 @@ def test_with_a_small_heldout_set_a_quarter_of_the_best_is_noise():
 def test_a_run_counts_its_recovered_falls_and_says_so():
     history = [{"iteration": e.iteration, "policy_version": e.update, "heldout_accuracy": e.accuracy} for e in PROBE]
     run = Run(Path("/runs/probe"), {"seed": 0, "evaluation_duration": 1000}, history)
-    assert [f.low for f in run.recovered_falls] == [0.188]
+    assert [f.low for f in run.falls if f.recovered is not None] == [0.188]
     assert "fell and recovered: held-out 0.341 (best, update 512) fell to 0.188 at update 768, recovered to 0.380 " \
            "at update 1280" in run.describe()

@@ -64,14 +64,6 @@ class Regime:
             return "no M2 recorded"
         return HOLDS if self.tail_ratio <= 1 else MEDIAN_ONLY if self.ratio <= 1 else DOES_NOT_HOLD
 
-    @property
-    def verdict(self) -> str:
-        if self.ratio is None:
-            return "no M2 recorded"
-        if self.ratio <= 1:
-            return f"the paper's regime (M2 {self.ratio:.2f}x tau)"
-        return f"outside the paper's regime (M2 {self.ratio:.1f}x tau)"
-
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank percentile of sorted `values`."""

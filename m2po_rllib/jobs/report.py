@@ -14,12 +14,12 @@ report.json holds the variants' rows, every run's evaluations and collapse, and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from m2po_rllib import durable
 from m2po_rllib.errors import ConfigError
 from m2po_rllib.jobs.claims import MARGIN, claims_markdown, evaluate_claims, reference
 from m2po_rllib.jobs import regime, steady
@@ -47,7 +47,7 @@ def summarize(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "final_evaluations": [len(r.evaluations[-r.last_k:]) for r in runs],
         "best_mean": mean_std(best)[0], "best_std": mean_std(best)[1],
         "collapsed": sum(r.collapsed for r in runs),
-        "fell_and_recovered": sum(bool(r.recovered_falls) for r in runs),
+        "fell_and_recovered": sum(any(f.recovered is not None for f in r.falls) for r in runs),
         "token_kind": fraction.kind if fraction else None,
         "token_frac_steady_mean": fraction.mean if fraction else None,
         "updates": [min(updates), max(updates)] if updates else None,
@@ -171,17 +171,17 @@ def write_report(dirs: list[str], out: str | None = None, last_k: int = LAST_K, 
         md += ["Runs with no optimizer update (their curves are empty):", "", *[f"- {n}" for n in untrained], ""]
     md += [f"![{p.stem}]({p.name})" for p in figures]
     path = out_dir / "report.md"
-    path.write_text("\n".join(md) + "\n")
+    durable.write_text(path, "\n".join(md) + "\n")
     report = {
         "definitions": {"last_k": last_k, "margin": margin, "header": definitions(last_k)},
         "variants": rows,
         "runs": [run_record(r, v, out_dir) for v in variants for r in v.runs],
         "claims": [c.to_json() for c in claims],
         "regime": [{**dataclasses.asdict(r), "ratio": r.ratio, "tail_ratio": r.tail_ratio, "condition": r.condition,
-                    "verdict": r.verdict, "window": d.to_json() if d else None, "both": regime.both(r, d)}
+                    "window": d.to_json() if d else None, "both": regime.both(r, d)}
                    for r, d in regimes],
     }
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    durable.write_json(out_dir / "report.json", report, indent=1, default=str)
     return path
 
 

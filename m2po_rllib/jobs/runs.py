@@ -15,6 +15,7 @@ import csv
 import json
 import statistics
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -107,15 +108,11 @@ class Run:
     def collapsed(self) -> bool:
         return self.collapse is not None
 
-    @property
+    @cached_property
     def falls(self) -> list[Fall]:
-        """Its falls (`m2po_rllib.jobs.falls`: held-out accuracy well below its best, recovered or not)."""
+        """Its falls (`m2po_rllib.jobs.falls`), computed once."""
         n = self.settings.get("evaluation_duration")
         return falls(self.evaluations, heldout_size=int(n) if isinstance(n, (int, float)) else None)
-
-    @property
-    def recovered_falls(self) -> list[Fall]:
-        return [f for f in self.falls if f.recovered is not None]
 
     def describe(self) -> str | None:
         """Its collapse and why it ended early, for the report's notes, or None."""
@@ -124,7 +121,7 @@ class Run:
             c = self.collapse
             found = " (found by the report in its history)" if c.get("source") == "report" else ""
             parts.append(f"collapsed: {c['reason']} at iteration {c.get('training_iteration')}{found}")
-        parts += [f"fell and recovered: {f.describe()}" for f in self.recovered_falls]
+        parts += [f"fell and recovered: {f.describe()}" for f in self.falls if f.recovered is not None]
         if self.note:
             parts.append(self.note)
         return f"{self.path.name}: {'; '.join(parts)}" if parts else None
@@ -322,9 +319,6 @@ def staleness_level(value) -> int | str:
 def order(value) -> tuple:
     """A sort key for key entries that mix None, numbers and names ("auto" after the numbers)."""
     return value is None, isinstance(value, str), value
-
-
-# -- the table -----------------------------------------------------------------------------
 
 
 # -- the phase map: final accuracy per (staleness, lr), one panel per loss ------------------

@@ -20,3 +20,21 @@ def run_child(script: str, variant: str, iters: int, seed: int, eval_problems: i
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def add_child_arguments(parser) -> None:
+    """The options `run_child` passes (hidden from --help): one owner for both sides."""
+    import argparse
+
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-problems", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def answer_child(args, child) -> bool:
+    """In a child process (`--child VARIANT`): runs `child(variant, iters, seed, eval_problems)`,
+    prints its figures as the last line and returns True; else False."""
+    if not args.child:
+        return False
+    print(json.dumps(child(args.child, args.iters, args.seed, args.eval_problems)))
+    return True

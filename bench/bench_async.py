@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _child import run_child
+from _child import add_child_arguments, answer_child, run_child
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "async.json"
@@ -100,12 +100,9 @@ def main() -> None:
     p.add_argument("--acc-iters", type=int, default=150, help="iterations per accuracy run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--only", choices=["speed", "accuracy"], default=None)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--eval-problems", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_arguments(p)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.iters, args.seed, args.eval_problems)))
+    if answer_child(args, child):
         return
 
     load = os.getloadavg()[0]

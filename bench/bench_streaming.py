@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _child import run_child
+from _child import add_child_arguments, answer_child, run_child
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "streaming.json"
@@ -174,12 +174,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--only", choices=["speed", "accuracy", "summary"], default=None)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--eval-problems", type=int, default=0, help=argparse.SUPPRESS)
+    add_child_arguments(p)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.iters, args.seed, args.eval_problems)))
+    if answer_child(args, child):
         return
     if args.only in (None, "speed"):
         # repeats interleaved (A B A B ...): a machine's drift spreads over every variant

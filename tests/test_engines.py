@@ -444,9 +444,9 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
     assert engine.version == start + 1
     after = engine.generate(prompt_ids, greedy)
     assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
-    if isinstance(engine, VLLMEngine):  # vLLM labels each token with the version that sampled it
-        assert [c.weight_versions for g in before for c in g] == [[(start, 0, len(c.token_ids))] for g in before for c in g]
-        assert [c.weight_versions for g in after for c in g] == [[(start + 1, 0, len(c.token_ids))] for g in after for c in g]
+    # each token labelled with the version that sampled it (vLLM's own labels; the HF engine's)
+    assert [c.weight_versions for g in before for c in g] == [[(start, 0, len(c.token_ids))] for g in before for c in g]
+    assert [c.weight_versions for g in after for c in g] == [[(start + 1, 0, len(c.token_ids))] for g in after for c in g]
     diff = max_logprob_diff(other, prompt_ids, engine.generate(prompt_ids, sampled), 0.9)
     print(f"{type(engine).__name__}: max |logp - transformers| after sync = {diff:.2e}")
     assert diff < 1e-3
@@ -469,6 +469,49 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
         assert engine.last_sync_stats["chunks"] > 10
     assert_same(engine.generate(prompt_ids, greedy), before)
     assert max_logprob_diff(original, prompt_ids, engine.generate(prompt_ids, sampled), 0.9) < 1e-3
+
+
+def test_the_hf_engine_loads_weights_mid_sequence_and_each_token_is_its_versions(
+    hf_engine, prompt_ids, tiny_model_dir, other_model_dir
+):
+    """`update_weights(..., mid_sequence=True)` between two decoding steps: the groups in flight
+    go on, each token labelled with the version that sampled it, and each segment's log-probs
+    are a plain forward's over the whole sequence under that segment's weights (the KV cache
+    was recomputed by the new weights, not kept); a group that joins after the load is all the
+    new version's."""
+    engine, at = hf_engine, 5
+    original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
+    start = engine.version
+    sampling = SamplingConfig(n=3, max_tokens=20, seed=3, temperature=1.0)
+    engine.submit("before", prompt_ids[0], sampling)
+    for _ in range(at):
+        assert engine.step() == []
+    assert engine.update_weights(other.state_dict(), start + 1, mid_sequence=True)
+    finished, _ = stream(engine, {0: [("after", prompt_ids[1], sampling, 1)]})
+    spanning = 0
+    for key, ids in (("before", prompt_ids[0]), ("after", prompt_ids[1])):
+        for c in finished[key][0]:
+            n = len(c.token_ids)
+            versions = [start] * min(at, n) + [start + 1] * (n - at) if key == "before" else [start + 1] * n
+            assert c.token_versions() == versions, key
+            spanning += len(set(versions)) == 2
+            tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=len(ids) + n)
+            scale = max(1.0, max(abs(x) for x in c.logprobs))
+            for model, version in ((original, start), (other, start + 1)):
+                mine = [i for i, v in enumerate(versions) if v == version]
+                ref = reference_logprobs(model, ids, c.token_ids, sampling.temperature)
+                assert [c.logprobs[i] for i in mine] == pytest.approx([ref[i] for i in mine], abs=tol * scale)
+    assert spanning >= 2  # samples long enough to cross the load
+    assert engine.update_weights(original.state_dict(), start + 2)  # the module's engine back as it was
+
+
+@pytest.mark.slow
+def test_vllm_refuses_a_mid_sequence_load_and_keeps_its_groups(vllm_engine, prompt_ids):
+    vllm_engine.submit("g", prompt_ids[0], SHORT)
+    with pytest.raises(NotImplementedError, match="does not load weights with groups in flight"):
+        vllm_engine.update_weights({}, vllm_engine.version + 1, mid_sequence=True)
+    finished, _ = stream(vllm_engine, {0: []})
+    assert list(finished) == ["g"] and len(finished["g"][0]) == SHORT.n
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,9 +82,31 @@ class Completion:
     finish_reason: str
     """Either "stop" (EOS or a stop string) or "length" (`max_tokens` reached)."""
     weight_versions: list[tuple[int, int, int]] | None = None
-    """vLLM: `(version, start, end)` spans, tokens `[start, end)` sampled by the weights of
-    that policy version, as vLLM labelled them (`set_weight_version` at each load); None
-    where the engine does not label its tokens (the HF engine)."""
+    """`(version, start, end)` spans: tokens `[start, end)` were sampled by the weights of that
+    policy version (vLLM: as it labelled them, `set_weight_version` at each load; the HF
+    engine: the version it served at each token). More than one span only where weights
+    were loaded in the middle of the sequence (`update_weights(..., mid_sequence=True)`);
+    None where the engine did not label them."""
+
+    def token_versions(self) -> list[int] | None:
+        """The policy version of each token (`weight_versions` spelled out); None when unlabelled."""
+        if not self.weight_versions:
+            return None
+        out = [v for v, start, end in self.weight_versions for _ in range(start, end)]
+        if len(out) != len(self.token_ids):
+            raise RuntimeError(f"weight_versions {self.weight_versions} cover {len(out)} tokens of {len(self.token_ids)}")
+        return out
+
+
+def version_spans(versions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Per-token versions as `(version, start, end)` spans (`Completion.weight_versions`)."""
+    spans: list[tuple[int, int, int]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1][0] == v:
+            spans[-1] = (v, spans[-1][1], i + 1)
+        else:
+            spans.append((int(v), i, i + 1))
+    return spans
 
 
 class EngineDeadError(RuntimeError):
@@ -140,19 +162,39 @@ class GenerationEngine(abc.ABC):
                 "call step() until in_flight is 0 first"
             )
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
+    loads_mid_sequence: bool = False
+    """Whether `update_weights(..., mid_sequence=True)` may load with groups in flight."""
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, mid_sequence: bool = False) -> bool:
         """Loads `weights` (HF checkpoint names; a subset is fine) in place and sets `version`.
 
         Returns False and changes nothing when `version` is not newer than the current one:
         with asynchronous syncs a late or duplicate message must not roll the policy back.
-        Refused while streamed groups are in flight (each group is one version's).
+        With streamed groups in flight it is refused (each group one version's) unless
+        `mid_sequence`: then the engine loads at a token boundary, recomputes the KV cache of
+        every sequence in flight with the new weights and goes on; the tokens sampled from
+        then on are labelled `version` (`Completion.weight_versions`). Engines that cannot
+        (`loads_mid_sequence` False) raise NotImplementedError.
         """
-        self._check_idle("load weights")
+        if not mid_sequence:
+            self._check_idle("load weights")
+        elif self.in_flight and not self.loads_mid_sequence:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not load weights with groups in flight yet "
+                "(the HF engine does: rollout_engine='hf'); let the groups finish first"
+            )
         if version <= self._version:
             return False
         self._load_weights(weights)
         self._version = version
+        if self.in_flight:
+            self._continue_after_load()
         return True
+
+    def _continue_after_load(self) -> None:
+        """After a load with groups in flight: recompute what the old weights computed (the KV
+        cache, the next-token logits) so every later token is the new weights' own."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -5,7 +5,9 @@ tests. The sampling loop is written out rather than using `model.generate` so th
 token's behaviour log-prob and every sample's own seeded generator are explicit; its
 semantics (temperature, vLLM's top-k / top-p rule from `m2po_rllib.truncation`, stop
 strings, seeds per sample, EOS) are those of `engine.py`'s docstring. Streaming
-(`submit` / `step`) goes through the engine's continuous batch, `hf_stream.py`.
+(`submit` / `step`) goes through the engine's continuous batch, `hf_stream.py`, which also
+loads weights between two decoding steps with groups in flight (`update_weights(...,
+mid_sequence=True)`): it recomputes every live sequence's KV cache with the new weights.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig, version_spans
 from m2po_rllib.rollout.hf_sampling import find_stop, sample_next
 from m2po_rllib.rollout.hf_stream import ContinuousBatch
 
@@ -40,6 +42,7 @@ class HFEngine(GenerationEngine):
     """A transformers causal LM that samples `SamplingConfig` batches on one device."""
 
     sleep_unavailable = "the HF engine has no sleep mode; rollout_engine='vllm' on a GPU has one"
+    loads_mid_sequence = True
 
     def __init__(
         self,
@@ -140,8 +143,8 @@ class HFEngine(GenerationEngine):
             position_ids = position_ids[:, -1:] + 1
             logits, past = self.forward(tokens[:, None], attention_mask, position_ids, past)
 
-        completions = [self.completion(tokens_out[row], logps_out[row], texts[row], reasons[row])
-                       for row in range(batch)]
+        completions = [self.completion(tokens_out[row], logps_out[row], texts[row], reasons[row],
+                                       [self._version] * len(tokens_out[row])) for row in range(batch)]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     # -- one sample's rules, shared by `generate` and the stream ------------------------------
@@ -170,10 +173,12 @@ class HFEngine(GenerationEngine):
                 return "stop", text[:cut]
         return ("length", None) if len(tokens) >= budget else (None, None)
 
-    def completion(self, tokens: list[int], logps: list[float], text: str | None, reason: str) -> Completion:
+    def completion(self, tokens: list[int], logps: list[float], text: str | None, reason: str,
+                   versions: list[int]) -> Completion:
+        """A finished sample; `versions`: the policy version that sampled each token."""
         if text is None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return Completion(tokens, logps, text, reason)
+        return Completion(tokens, logps, text, reason, version_spans(versions))
 
     # -- streaming: the continuous batch (hf_stream.py) ----------------------------------------
     def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
@@ -206,6 +211,10 @@ class HFEngine(GenerationEngine):
     def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._check_alive()
         load_weights_into(self.model, weights)
+
+    @torch.inference_mode()
+    def _continue_after_load(self) -> None:
+        self._stream.reprefill()
 
     def shutdown(self) -> None:
         self.model = None

@@ -8,6 +8,11 @@ any more are dropped, so the cache spans the longest live sequence. Each sample 
 own random stream, seeded as `generate` seeds it, so a streamed sample is the sample
 `generate` makes (tests/test_engines.py). The engine owns the model and the per-sample
 rules (`budget`, `ending`, `completion`, `forward`, `generator`); this file owns the batch.
+
+Weights loaded between two steps (`HFEngine.update_weights(..., mid_sequence=True)`): the
+batch is prefilled again from every row's prompt and tokens so far (`reprefill`), so each
+later token is the new weights' own, given its whole context (no KV entry of the old weights
+is kept); each row records the version that sampled each of its tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class _Row:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     reason: str | None = None
     text: str | None = None
 
@@ -137,9 +143,11 @@ class ContinuousBatch:
                                 list(range(len(rows))))
             tokens[idx], logps[idx] = t, lp.to(logps.dtype)
         finished, keep = [], []
+        version = self.engine.version  # the weights that computed st.logits (reprefill: after a load)
         for i, (row, token, logp) in enumerate(zip(st.rows, tokens.tolist(), logps.tolist())):
             row.tokens.append(token)
             row.logps.append(logp)
+            row.versions.append(version)
             row.reason, row.text = self.engine.ending(row.tokens, row.budget, row.group.sampling.stop)
             if row.reason is None:
                 keep.append(i)
@@ -147,7 +155,8 @@ class ContinuousBatch:
             row.group.left -= 1
             if row.group.left == 0:
                 g = row.group
-                finished.append((g.key, [self.engine.completion(r.tokens, r.logps, r.text, r.reason) for r in g.rows]))
+                finished.append((g.key, [self.engine.completion(r.tokens, r.logps, r.text, r.reason, r.versions)
+                                         for r in g.rows]))
         if len(keep) < len(st.rows):
             self._leave(keep)
         if st.rows:
@@ -156,15 +165,27 @@ class ContinuousBatch:
             st.positions = st.positions + 1
         return finished
 
+    def reprefill(self) -> None:
+        """After a weight load between two steps: every decoding row's context (its prompt and
+        the tokens it has so far) prefilled again by the new weights, so the cache, and the
+        logits the next token is sampled from, are theirs; rows keep their order, random
+        streams and budgets."""
+        rows, self.rows = self.rows, []
+        self.reset()
+        if rows:
+            self._join(rows)
+
     def _join(self, rows: list[_Row]) -> None:
-        """Prefills `rows` and adds them to the batch, both left-padded to one cache length."""
+        """Prefills `rows` (each its prompt and what it generated so far) and adds them to the
+        batch, both left-padded to one cache length."""
         st = self
-        width = max(len(r.prompt) for r in rows)
+        contexts = [r.prompt + r.tokens for r in rows]
+        width = max(len(c) for c in contexts)
         ids = torch.full((len(rows), width), self.engine.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt):] = 1
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c):] = torch.tensor(c)
+            mask[i, width - len(c):] = 1
         ids, mask = ids.to(self.engine.device), mask.to(self.engine.device)
         logits, past = self.engine.forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), None)
         positions = mask.sum(-1)  # the next token's position

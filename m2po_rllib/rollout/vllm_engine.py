@@ -316,13 +316,14 @@ class VLLMEngine(GenerationEngine):
             )
         self.native.join(self, init_info)
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights, version: int) -> bool:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights, version: int, *,
+                       mid_sequence: bool = False) -> bool:
         """As `GenerationEngine.update_weights`, except that a native sync is always received:
         the learner is broadcasting it, and a rank that stayed out would hang the collective.
         The version then only moves forward (an engine that got a newer version another
         way, e.g. a checkpoint restore, keeps it)."""
         if not isinstance(weights, BroadcastWeights):
-            loaded = super().update_weights(weights, version)
+            loaded = super().update_weights(weights, version, mid_sequence=mid_sequence)
         else:
             self._load_weights(weights)
             self._version = max(self._version, version)

@@ -194,6 +194,11 @@ class M2POConfig(AlgorithmConfig):
         # weights when idle or when `max_staleness` needs them. Multi-turn episodes stream
         # turn by turn (an episode's next turn starts as its last one is played).
         self.streaming = False
+        # With streaming: a runner loads newer weights as soon as it holds them, between two
+        # decoding steps, instead of letting the groups in flight finish first; each token is
+        # labelled with the version that sampled it (the batch's `token_version`), and a row's
+        # age is its oldest token's. The HF engine only, for now (vLLM: pause/load/resume).
+        self.inflight_weight_updates = False
 
         # -- evaluation() -----------------------------------------------------------------
         # Held-out evaluation on the training runners (greedy; mean@k with eval_samples > 1).
@@ -285,6 +290,7 @@ class M2POConfig(AlgorithmConfig):
         stop=NotProvided,
         round_delay=NotProvided,
         streaming=NotProvided,
+        inflight_weight_updates=NotProvided,
         max_episode_turns=NotProvided,
         max_episode_tokens=NotProvided,
         weight_sync=NotProvided,
@@ -312,6 +318,7 @@ class M2POConfig(AlgorithmConfig):
             stop=stop,
             round_delay=round_delay,
             streaming=streaming,
+            inflight_weight_updates=inflight_weight_updates,
         )
         return self
 

@@ -51,7 +51,7 @@ from m2po_rllib.losses.correction import mismatch_metrics
 from m2po_rllib.resources import actors_placed
 from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
 from m2po_rllib.threads import use_cpus
-from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch
+from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch, versions_spanned
 
 quiet_gputil_hint_without_gpus()
 quiet_rllib_new_api_stack_notice()
@@ -258,6 +258,8 @@ class M2PO(Algorithm):
         age = start - rollout["policy_version"]
         self.metrics.log_value(keys.STALENESS_MEAN, float(age.mean()), window=1)
         self.metrics.log_value(keys.STALENESS_MAX, float(age.max()), window=1)
+        if cfg.inflight_weight_updates:
+            self.metrics.log_value(keys.VERSIONS_SPANNED_MAX, float(versions_spanned(rollout).max()), window=1)
         advantages = compute_advantages(
             torch.as_tensor(np.array(rollout["rewards"])), cfg.group_size, estimator=cfg.advantage_estimator
         )

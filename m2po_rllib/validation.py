@@ -42,7 +42,7 @@ _OPTIONAL = {
     "rollout_correction_low": _NUMBER, "rollout_correction_high": _NUMBER,
     "max_episode_turns": _INT, "max_episode_tokens": _INT,
 }
-_BOOLS = ("recompute_behavior_logp", "async_rollouts", "colocate", "streaming")
+_BOOLS = ("recompute_behavior_logp", "async_rollouts", "colocate", "streaming", "inflight_weight_updates")
 
 
 def _is(value, kind: str) -> bool:
@@ -596,10 +596,12 @@ def check_colocate(config) -> list[Problem]:
 
 def check_streaming(config) -> list[Problem]:
     """`streaming=True` (rollout/streaming.py): asynchronous rollouts on remote runners, whose
-    engines load weights between groups."""
-    if not config.streaming or config.in_evaluation:
+    engines load weights between groups, or mid-sequence with `inflight_weight_updates`."""
+    if config.in_evaluation:
         return []
-    out = []
+    out = _check_inflight_weight_updates(config)
+    if not config.streaming:
+        return out
     if not config.async_rollouts or config.num_env_runners < 1:
         out.append(problem(
             ("streaming", "async_rollouts", "num_env_runners"),
@@ -619,6 +621,27 @@ def check_streaming(config) -> list[Problem]:
             f"`round_delay` ({config.round_delay!r}) emulates the tail of round-based sampling; streaming has no "
             "round barrier to delay: set round_delay=None, or streaming=False",
         ))
+    return out
+
+
+def _check_inflight_weight_updates(config) -> list[Problem]:
+    if not config.inflight_weight_updates:
+        return []
+    out = []
+    if not config.streaming:
+        out.append(problem(("inflight_weight_updates", "streaming"),
+                           "`inflight_weight_updates=True` loads weights into a streaming runner's engine between two "
+                           "decoding steps; it needs streaming=True (round-based runners load between rounds)"))
+    if config.resolved_rollout_engine() != "hf":
+        out.append(problem(("inflight_weight_updates", "rollout_engine"),
+                           f"`inflight_weight_updates=True` runs on the HF engine only for now (rollout_engine is "
+                           f"{config.resolved_rollout_engine()!r}; vLLM's pause / load / resume is not wired in yet): set "
+                           "rollout_engine='hf', or inflight_weight_updates=False"))
+    if config.recompute_behavior_logp:
+        out.append(problem(("inflight_weight_updates", "recompute_behavior_logp"),
+                           "`recompute_behavior_logp=True` rescores a round with the weights its runner serves when it "
+                           "ends, and a row that crossed a load was sampled by several: keep the engine's own "
+                           "log-probs (recompute_behavior_logp=False), or inflight_weight_updates=False"))
     return out
 
 

@@ -108,6 +108,54 @@ def test_a_round_that_needs_newer_weights_waits_for_the_groups_in_flight(tiny_mo
         runner.stop()
 
 
+def test_inflight_loads_move_the_groups_in_flight_to_newer_weights_token_by_token(tiny_model_dir):
+    """`inflight_loads`: newer weights handed over without a round are loaded between two
+    engine steps with round 0's groups in flight, and a round that needs them starts at once
+    (no drain). Each token's version is the batch's `token_version`, a row's `policy_version`
+    its oldest token's, and the learner's log-probs of each segment, under that segment's
+    weights, are the engine's."""
+    from transformers import AutoModelForCausalLM
+
+    from m2po_rllib.rollout.streaming import RoundStream
+    from m2po_rllib.torch.logp import response_logp
+    from m2po_rllib.wire.batch import to_train_batch, versions_spanned
+
+    runner = _runner(tiny_model_dir)
+    try:
+        stream = RoundStream(runner.host, runner.plan_round, runner.pack_round, inflight_loads=True)
+        v1, v2 = _weights(tiny_model_dir, 1, 0.01), _weights(tiny_model_dir, 2, -0.01)
+        stream.put([_request(0, v1, min_version=1)])
+        for _ in range(3):  # round 0 starts (one token each) and takes two more steps
+            assert stream.advance()
+        assert runner.engine.in_flight == 2
+        stream.put([_request(1, v2, min_version=2)], weights=v2)
+        assert stream.advance()  # loads v2 with round 0 in flight, then starts round 1 beside it
+        assert runner.engine.version == 2 and runner.engine.in_flight == 4
+        done = _take_all(stream, 2)
+        first, second = done[0], done[2 * G]
+        valid = first["response_mask"] > 0
+        expected = np.where(np.arange(valid.shape[1]) < 3, 1, 2)  # tokens 0-2 by v1, the rest by v2
+        np.testing.assert_array_equal(np.where(valid, first["token_version"], 0), np.where(valid, expected, 0))
+        np.testing.assert_array_equal(first["policy_version"], 1)  # a row's age counts from its oldest token
+        assert (versions_spanned(first) == 2).sum() >= 2
+        np.testing.assert_array_equal(second["token_version"][second["response_mask"] > 0], 2)
+        np.testing.assert_array_equal(second["policy_version"], 2)
+
+        cfg = runner.config
+        batch = {k: torch.as_tensor(v) for k, v in to_train_batch(first, first["rewards"]).items()}
+        tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=batch["input_ids"].shape[1])
+        scale = max(1.0, float(batch["behavior_logp"].abs().max()))
+        for weights in (v1, v2):
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+            model.load_state_dict(weights.get())
+            with torch.no_grad():
+                learner, _ = response_logp(model, batch, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+            segment = torch.as_tensor(valid & (first["token_version"] == weights.version))
+            assert (learner - batch["behavior_logp"])[segment].abs().max() <= tol * scale
+    finally:
+        runner.stop()
+
+
 def test_a_round_given_weights_older_than_it_needs_is_refused(tiny_model_dir):
     from m2po_rllib.rollout.streaming import RoundStream
 
@@ -144,15 +192,21 @@ def test_evaluation_waits_for_the_groups_in_flight_and_streaming_goes_on(tiny_mo
     (dict(async_rollouts=False), "needs async_rollouts=True and num_env_runners >= 1"),
     (dict(num_env_runners=0), "needs async_rollouts=True and num_env_runners >= 1"),
     (dict(round_delay={"median_s": 0.1}), "streaming has no round barrier to delay"),
+    (dict(streaming=False, inflight_weight_updates=True), "needs streaming=True"),
+    (dict(inflight_weight_updates=True, rollout_engine="vllm"), "HF engine only for now"),
+    (dict(inflight_weight_updates=True, recompute_behavior_logp=True), "keep the engine's own log-probs"),
 ])
 def test_streaming_settings_it_cannot_serve_are_refused(tiny_model_dir, settings, needle):
     from m2po_rllib.errors import ConfigError
 
-    cfg = tiny_config(tiny_model_dir, async_rollouts=settings.pop("async_rollouts", True), max_staleness=3)
-    cfg = cfg.env_runners(streaming=True, num_env_runners=settings.pop("num_env_runners", 1), **settings)
+    named = "inflight_weight_updates" if "inflight_weight_updates" in settings else "streaming"
+    cfg = tiny_config(tiny_model_dir, async_rollouts=settings.pop("async_rollouts", True), max_staleness=3,
+                      recompute_behavior_logp=settings.pop("recompute_behavior_logp", False))
+    cfg = cfg.env_runners(streaming=settings.pop("streaming", True), num_env_runners=settings.pop("num_env_runners", 1),
+                          **settings)
     with pytest.raises(ConfigError, match=needle) as info:
         cfg.validate()
-    assert "streaming" in str(info.value)
+    assert named in str(info.value)
 
 
 # -- the algorithm, with remote streaming runners ----------------------------------------
@@ -204,6 +258,49 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
     assert max(ages) <= 4
     trained = np.concatenate(before + after).tolist()
     assert sorted(trained) == list(range(len(trained)))  # each sample once, whole rounds (hence groups)
+
+
+@pytest.mark.slow
+def test_inflight_weight_updates_train_each_sample_once_with_ages_from_the_oldest_token(ray_session, tiny_model_dir):
+    """Remote streaming runners loading weights mid-sequence: the driver hands them the newest
+    weights with every call; each row's `policy_version` is its oldest token's and bounds its
+    age (`max_staleness`); rows span versions; each sample is trained once."""
+    from test_async import _async_config
+
+    from m2po_rllib import keys
+
+    cfg = (_async_config(tiny_model_dir, max_staleness=8)  # room for rounds in flight when weights arrive
+           .env_runners(num_env_runners=1, streaming=True, inflight_weight_updates=True, max_new_tokens=24))
+    algo = cfg.build_algo()
+    try:
+        rollouts, update = [], algo._update
+
+        def spy(rollout):
+            rollouts.append({k: np.array(rollout[k]) for k in ("token_version", "response_mask", "policy_version",
+                                                               "sample_id")})
+            return update(rollout)
+
+        algo._update = spy
+
+        def slow_steps(runner):  # generation slower than an update, as on a GPU with long answers
+            engine = runner.host.engine
+            step = engine.step
+            engine.step = lambda: (time.sleep(0.02), step())[1]
+
+        algo.env_runner_group.foreach_env_runner(slow_steps, local_env_runner=False)
+        results = [algo.train() for _ in range(5)]
+        assert algo.env_runner_group.foreach_env_runner(lambda r: r._stream.inflight_loads, local_env_runner=False) == [True]
+    finally:
+        algo.stop()
+    assert max(r["staleness/max"] for r in results) <= 8
+    spans = [r[keys.VERSIONS_SPANNED_MAX] for r in results if keys.VERSIONS_SPANNED_MAX in r]
+    print("versions spanned (max per step):", spans)
+    for r in rollouts:
+        versions = np.where(r["response_mask"] > 0, r["token_version"], np.iinfo(np.int64).max)
+        np.testing.assert_array_equal(r["policy_version"], versions.min(1))
+    ids = np.concatenate([r["sample_id"] for r in rollouts]).tolist()
+    assert sorted(ids) == list(range(len(ids)))
+    assert max(spans) >= 2
 
 
 def _turns(policy_mask) -> int:

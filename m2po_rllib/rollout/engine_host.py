@@ -5,7 +5,8 @@ Weights reach a runner three ways (a request's `PublishedWeights`, RLlib's own `
 syncs, the learner's native broadcast); all three go through `EngineHost`, which applies
 one rule: weights are loaded only when their version is newer than the runner's
 (`version`: the engine's, or what waits for the engine to start), so a late or duplicate
-handle never rolls the policy back, and weights change between rounds, never within one.
+handle never rolls the policy back, and weights change between rounds, never within one,
+except where a streaming runner loads them mid-sequence (`inflight_weight_updates`).
 """
 
 from __future__ import annotations
@@ -178,27 +179,28 @@ class EngineHost:
             return self._engine.version
         return self._pending[1] if self._pending is not None else -1
 
-    def load(self, version: int, fetch: Callable[[], dict]) -> None:
+    def load(self, version: int, fetch: Callable[[], dict], mid_sequence: bool = False) -> None:
         """Loads the weights `fetch()` returns if `version` is newer than this runner's (the
-        one check: older or duplicate versions are never fetched nor loaded)."""
+        one check: older or duplicate versions are never fetched nor loaded); `mid_sequence`:
+        with streamed groups in flight (`GenerationEngine.update_weights`)."""
         if version <= self.version:
             return
         weights = fetch()
         if self._engine is not None and self._engine.is_healthy():
             t0 = time.perf_counter()
-            self._apply(weights, version)
+            self._apply(weights, version, mid_sequence)
             self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
             self._pending = (weights, version) if self.worker_index == 0 else None
         else:
             self._pending = (weights, version)
 
-    def _apply(self, weights, version: int) -> bool:
-        loaded = self._engine.update_weights(weights, version)
+    def _apply(self, weights, version: int, mid_sequence: bool = False) -> bool:
+        loaded = self._engine.update_weights(weights, version, mid_sequence=mid_sequence)
         if loaded and self.scorer is not None:
             self.scorer.load(weights)
         return loaded
 
-    def use(self, published: PublishedWeights | None) -> None:
+    def use(self, published: PublishedWeights | None, mid_sequence: bool = False) -> None:
         """A request's weights: loaded if newer (the object store's path). Native ones were
         broadcast to the engine (`receive`); a runner without them (it restarted and the group
         is not formed again yet) samples with what it serves, and its rows say which version."""
@@ -209,7 +211,7 @@ class EngineHost:
                 logger.warning("EnvRunner %d serves version %d; version %d went by native sync without it",
                                self.worker_index, self.version, published.version)
             return
-        self.load(published.version, published.get)
+        self.load(published.version, published.get, mid_sequence)
 
     # -- native weight sync (weight_sync="native") -----------------------------------------
     def layout(self) -> dict[str, list[int]]:

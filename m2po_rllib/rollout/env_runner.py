@@ -237,9 +237,12 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         """A scored round as a rollout batch: sample ids from `first_sample_id`, tagged with the
         generating `version`; rescored in the learner's numerics when this runner scores."""
         n_rows = len(rows.rewards)
+        # an engine that has loaded nothing yet (-1) serves the initial weights, version 0
+        token_versions = [None if v is None else [max(x, 0) for x in v] for v in rows.versions] or None
         batch = pack_rollouts(
             rows.prompts, rows.responses, rows.logprobs, rows.rewards, max(version, 0),
             sample_ids=range(first_sample_id, first_sample_id + n_rows), policy_masks=rows.policy_masks,
+            token_versions=token_versions,
         )
         if self.host.scorer is not None:  # behaviour log-probs in the learner's numerics
             t0 = time.perf_counter()
@@ -250,16 +253,19 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         return batch
 
     # -- streaming=True -------------------------------------------------------------------
-    def stream(self, rounds: list[dict], wait_s: float) -> tuple[list[dict[str, np.ndarray]], float]:
+    def stream(self, rounds: list[dict], wait_s: float,
+               weights: PublishedWeights | None = None) -> tuple[list[dict[str, np.ndarray]], float]:
         """Streaming sampling's one call (`streaming.py`): queues `rounds` (each `sample`'s
         keyword arguments and `min_version`), waits up to `wait_s` for finished rounds and
-        returns them (any order) with the seconds the engine was busy since the last call."""
+        returns them (any order) with the seconds the engine was busy since the last call.
+        `weights` (inflight_weight_updates): the newest published, loaded mid-sequence."""
         if self._stream is None:
             # the generating thread logs the rounds' metrics beside Ray's call thread (RLlib's
             # IMPALA learner takes the same lock for its threads)
             self.metrics._threading_lock = threading.RLock()
-            self._stream = RoundStream(self.host, self.plan_round, self.pack_round)
-        return self._stream.exchange(rounds, wait_s)
+            self._stream = RoundStream(self.host, self.plan_round, self.pack_round,
+                                       inflight_loads=bool(self.config.inflight_weight_updates))
+        return self._stream.exchange(rounds, wait_s, weights)
 
     def _engine_to_self(self):
         """A context in which this call may use the engine: with streaming, once the groups in
@@ -359,8 +365,9 @@ def sample_and_metrics(runner: LLMEnvRunner, **kwargs) -> tuple[dict[str, np.nda
     return batch, runner.get_metrics(), time.perf_counter() - t0
 
 
-def stream_and_metrics(runner: LLMEnvRunner, rounds: list[dict], wait_s: float) -> tuple[list[dict], dict, float]:
+def stream_and_metrics(runner: LLMEnvRunner, rounds: list[dict], wait_s: float,
+                       weights: PublishedWeights | None = None) -> tuple[list[dict], dict, float]:
     """One remote call of streaming sampling (see `LLMEnvRunner.stream`): the rounds finished
     so far, the runner's metrics, and the seconds its engine was busy since the last call."""
-    batches, busy_s = runner.stream(rounds, wait_s)
+    batches, busy_s = runner.stream(rounds, wait_s, weights)
     return batches, runner.get_metrics(), busy_s

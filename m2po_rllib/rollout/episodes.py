@@ -13,9 +13,11 @@ engine's behaviour log-probs of policy tokens, 0 for env tokens), `policy_mask` 
 policy tokens, 0 for env tokens). The rollout batch's `response_mask` is the policy mask
 and `env_mask` the env tokens (`wire.batch.pack_rollouts`): the learner attends to every
 token and computes its loss, ratios, M2PO's second moment and mask, and the mismatch
-metrics over policy tokens only. A whole episode is generated within one round, by the
-weights the runner serves for that round (weights load between rounds), so every token of
-a row carries the row's `policy_version`.
+metrics over policy tokens only. `versions`: the policy version that sampled each policy
+token (the engine's labels), an env token carrying its turn's last; with weights loaded
+between rounds every token of an episode has one, with loads mid-sequence
+(`inflight_weight_updates`) an episode may span several, and its row's `policy_version` is
+its oldest.
 
 Budgets, each a defined outcome: a turn cap (`max_turns`; the env's own, or the runner's
 `max_episode_turns` if lower) and a token cap on everything after the prompt
@@ -42,6 +44,7 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     policy_mask: list[int] = field(default_factory=list)
+    versions: list[int] | None = field(default_factory=list)  # None once a turn came unlabelled
     reward: float = 0.0
     correct: bool = False
     turns: int = 0
@@ -51,11 +54,19 @@ class Episode:
     done: bool = False
     truncated: bool = False
 
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, policy: bool) -> None:
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, policy: bool,
+               versions: Sequence[int] | None = None) -> None:
+        """A policy turn's tokens (`logprobs`, and `versions` as the engine labelled them) or
+        the env's reply (`policy` False: no log-probs; each token its turn's last version)."""
         ids = [int(t) for t in ids]
         self.token_ids += ids
         self.logprobs += [float(x) for x in logprobs] if policy else [0.0] * len(ids)
         self.policy_mask += [int(policy)] * len(ids)
+        if self.versions is not None:
+            if policy:
+                self.versions = None if versions is None else self.versions + [int(v) for v in versions]
+            elif self.versions:
+                self.versions += [self.versions[-1]] * len(ids)
 
     @property
     def policy_tokens(self) -> int:
@@ -105,12 +116,13 @@ def play_turn(episode: Episode, completion, max_tokens: int | None, last_turn: b
     context is `episode.prompt_ids + episode.token_ids`; `episode.turns` turns were played."""
     budget = math.inf if max_tokens is None else int(max_tokens)
     room = budget - len(episode.token_ids)
-    ids, logprobs = list(completion.token_ids), list(completion.logprobs)
+    ids, logprobs, versions = list(completion.token_ids), list(completion.logprobs), completion.token_versions()
     if len(ids) > room:  # the token budget ends the episode mid-turn
-        episode.append(ids[: int(room)], logprobs[: int(room)], policy=True)
+        episode.append(ids[: int(room)], logprobs[: int(room)], policy=True,
+                       versions=None if versions is None else versions[: int(room)])
         episode.finish(truncated=True)
         return
-    episode.append(ids, logprobs, policy=True)
+    episode.append(ids, logprobs, policy=True, versions=versions)
     obs, reward, terminated, truncated, info = episode.env.step(completion.text)
     episode.turns += 1
     episode.tool_calls += int(bool(info.get("tool_call", False)))

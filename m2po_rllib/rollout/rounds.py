@@ -81,6 +81,7 @@ class Rows:
     rewards: list[float] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
     policy_masks: list[list[int]] | None = None  # multi-turn: 1 = the policy's token, 0 = the env's
+    versions: list[list[int] | None] = field(default_factory=list)  # each token's version (None: unlabelled)
     metrics: dict[str, float] = field(default_factory=dict)  # per-episode means (multi-turn)
     generate_s: float = 0.0
     score_s: float = 0.0
@@ -102,6 +103,7 @@ def score_groups(envs: list[gym.Env], prompt_ids: list[list[int]], groups: list[
             rows.prompts.append(ids)
             rows.responses.append(list(c.token_ids))
             rows.logprobs.append(list(c.logprobs))
+            rows.versions.append(c.token_versions())
             rows.rewards.append(float(verdict.reward))
             rows.correct.append(bool(verdict.correct))
     rows.score_s = time.perf_counter() - t0
@@ -142,6 +144,7 @@ def played_rows(episodes, *, generate_s: float) -> Rows:
         rows.prompts.append(e.prompt_ids)
         rows.responses.append(e.token_ids)
         rows.logprobs.append(e.logprobs)
+        rows.versions.append(e.versions)
         rows.rewards.append(e.reward)
         rows.correct.append(e.correct)
     rows.policy_masks = [e.policy_mask for e in episodes]

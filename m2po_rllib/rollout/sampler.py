@@ -22,7 +22,9 @@ runner that died), `pop_step()` once the next step's rounds are all in. With
 `observe_m2()` with what the learners measured. With `streaming=True` (streaming.py) each
 runner gets one call at a time (`stream_and_metrics`): the rounds admitted for it since its
 last call, each with the oldest weights that may generate it, and back the rounds it
-finished, in any order; `poll()` keeps the calls going when nothing new is admitted.
+finished, in any order; `poll()` keeps the calls going when nothing new is admitted. With
+`inflight_weight_updates` every call also hands over the newest published weights, which the
+runner loads between two decoding steps.
 
 Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and counters
 (async; the algorithm drains the rounds in flight first).
@@ -93,6 +95,8 @@ class RolloutSampler:
         )
         self.waiting = 0  # async: runner slots the bound held back at the last request
         self.streaming = bool(config.async_rollouts and config.streaming)
+        self.inflight_loads = self.streaming and bool(config.inflight_weight_updates)
+        self._offered: PublishedWeights | None = None  # the newest weights published (streaming)
         self._calling: set[int] = set()  # streaming: runners with a call in flight
         self._m2_buckets: set[int] = set()  # "auto": the age buckets reported so far
         self.queue: collections.deque[Rollout] = collections.deque()
@@ -214,6 +218,7 @@ class RolloutSampler:
         if self.admission is None:
             return
         if self.streaming:
+            self._offered = weights  # inflight_loads: every call hands the newest over
             self._stream(weights)
             return
         pipe = self.admission
@@ -260,9 +265,10 @@ class RolloutSampler:
                 pipe.sent(runner_id, n)
             if not new and not pipe.num_in_flight(runner_id):
                 continue
+            offered = {"weights": self._offered} if self.inflight_loads and self._offered is not None else {}
             sent = self.runners.foreach_env_runner_async(
                 stream_and_metrics, tag=SAMPLE_TAG,
-                kwargs=dict(rounds=[self.round_request(n, weights) for n in new], wait_s=WAIT_S),
+                kwargs=dict(rounds=[self.round_request(n, weights) for n in new], wait_s=WAIT_S, **offered),
                 remote_worker_ids=[runner_id],
             )
             if not sent:  # RLlib refused the call: the rounds go back to be requested again

@@ -25,6 +25,13 @@ stops submitting, lets the groups in flight finish (the one tail left: one per l
 one per round) and loads them. So a streaming runner serves data as old as the bound
 allows: the larger `max_staleness`, the rarer the loads.
 
+With `inflight_weight_updates` (engines that can: `GenerationEngine.loads_mid_sequence`) the
+thread loads the newest weights it holds at once, between two engine steps, and the groups in
+flight go on with them: no tail at all, each token labelled with the version that sampled it.
+The driver then hands each runner the newest weights with every call, rounds or none.
+A row's `policy_version` is then its oldest token's (`wire.batch`), so its age, and the bound,
+count from the weights that began it.
+
 The driver talks to it with one call at a time per runner (`LLMEnvRunner.stream`): hand
 over new rounds, wait up to `wait_s` for finished ones, take them. The engine belongs to
 the thread while it streams; other calls that use it (evaluation, RLlib's weight syncs)
@@ -90,14 +97,17 @@ class RoundStream:
     `pack(rows, first_sample_id, version)`: the round's rollout batch (and its metrics).
     """
 
-    def __init__(self, host, plan: Callable[[dict, int], RoundPlan], pack: Callable[[Any, int, int], dict]):
+    def __init__(self, host, plan: Callable[[dict, int], RoundPlan], pack: Callable[[Any, int, int], dict],
+                 inflight_loads: bool = False):
         self.host = host
+        self.inflight_loads = inflight_loads  # load newer weights with groups in flight
         self._plan = plan
         self._pack = pack
         self._cv = threading.Condition()
         self._pending: collections.deque[_Round] = collections.deque()  # requested, not started
         self._active: dict[int, _Round] = {}  # first sample id -> a round whose groups are in flight
         self._done: list[dict] = []  # packed rounds, not yet taken
+        self._offered = None  # the newest weights handed over without a round (inflight_loads)
         self._busy_s = 0.0  # seconds the thread worked (loads, steps, scoring), since the last take
         self._error: BaseException | None = None
         self._pause_requests = 0
@@ -106,10 +116,10 @@ class RoundStream:
         self._thread: threading.Thread | None = None
 
     # -- the driver's side (Ray's call thread) ---------------------------------------------
-    def exchange(self, requests: list[dict], wait_s: float = WAIT_S) -> tuple[list[dict], float]:
-        """`put(requests)`, the generating thread started if it is not, then waits up to
-        `wait_s` for a finished round and `take()`s. An error of the thread is raised here."""
-        self.put(requests)
+    def exchange(self, requests: list[dict], wait_s: float = WAIT_S, weights=None) -> tuple[list[dict], float]:
+        """`put(requests, weights)`, the generating thread started if it is not, then waits up
+        to `wait_s` for a finished round and `take()`s. An error of the thread is raised here."""
+        self.put(requests, weights)
         with self._cv:
             if self._pending and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="m2po-stream", daemon=True)
@@ -119,10 +129,13 @@ class RoundStream:
                 self._cv.wait(remaining)
         return self.take()
 
-    def put(self, requests: list[dict]) -> None:
+    def put(self, requests: list[dict], weights=None) -> None:
         """Queues rounds (`LLMEnvRunner.sample`'s keyword arguments and `min_version`); a round
-        already held (by its first sample id) is not queued twice."""
+        already held (by its first sample id) is not queued twice. `weights`: newer published
+        weights, for `inflight_loads` (rounds carry their own)."""
         with self._cv:
+            if weights is not None and (self._offered is None or weights.version > self._offered.version):
+                self._offered = weights
             held = {r.first_sample_id for r in (*self._pending, *self._active.values())}
             for request in requests:
                 if int(request["first_sample_id"]) not in held:
@@ -177,6 +190,11 @@ class RoundStream:
     def advance(self) -> bool:
         """One beat of the generating thread: starts every round the engine may take now, then
         steps the engine once if groups are in flight. False when there was nothing to do."""
+        if self.inflight_loads:
+            with self._cv:
+                newest = self._newest_weights()
+            if newest is not None:
+                self.host.use(newest, mid_sequence=bool(self._active))
         started = False
         while self._start_next():
             started = True
@@ -216,14 +234,13 @@ class RoundStream:
 
     def _start_next(self) -> bool:
         """Starts the next round's groups if the engine may generate them now: loads newer
-        weights first when the engine is idle, or when the round needs them and nothing is in
-        flight. False when no round was started."""
+        weights first when the engine is idle (or at once, with `inflight_loads`), or when the
+        round needs them and nothing is in flight. False when no round was started."""
         with self._cv:
             if self._pause_requests or not self._pending:
                 return False
             r = self._pending[0]
-            newest = max((p.request.get("weights") for p in self._pending if p.request.get("weights") is not None),
-                         key=lambda w: w.version, default=None)
+            newest = self._newest_weights()
         idle = not self._active
         if idle and newest is not None:
             self.host.use(newest)
@@ -251,6 +268,11 @@ class RoundStream:
                 engine.submit((r.first_sample_id, i), prompt, r.plan.sampling, index=i)
         self._active[r.first_sample_id] = r
         return True
+
+    def _newest_weights(self):
+        """(lock held) The newest weights this stream holds: the pending rounds' and those offered."""
+        held = [p.request.get("weights") for p in self._pending] + [self._offered]
+        return max((w for w in held if w is not None), key=lambda w: w.version, default=None)
 
     def _submit_turn(self, r: _Round, e: int) -> None:
         """Episode e's next turn (its `turns` played so far), its context all it has so far."""

@@ -11,8 +11,12 @@ consecutive rows sharing one prompt:
     engine_logp     (B, R) float32   only with recompute_behavior_logp: the engine's own
                                      log-probs, while behavior_logp holds the learner-numerics
                                      ones (what rollout corrections and mismatch metrics compare)
+    token_version   (B, R) int64     the policy version whose weights sampled each token (an env
+                                     token: its turn's last); more than one per row only where
+                                     the runner loaded weights mid-sequence
     rewards         (B,)   float32
-    policy_version  (B,)   int64     optimizer updates behind the generating weights
+    policy_version  (B,)   int64     the row's oldest token's version (a row's age when trained:
+                                     the trained version minus this)
     sample_id       (B,)   int64     unique per sampled completion over the run
 
 Padding holds 0 in every array. The masks say which entries are real, and the learner
@@ -27,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 ROW_KEYS_2D_LEFT = ("prompt_ids", "prompt_mask")
-ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp", "engine_logp", "env_mask")
+ROW_KEYS_2D_RIGHT = ("response_ids", "response_mask", "behavior_logp", "engine_logp", "env_mask", "token_version")
 ROW_KEYS_1D = ("rewards", "policy_version", "sample_id")
 
 
@@ -51,10 +55,14 @@ def pack_rollouts(
     policy_version: int,
     sample_ids: Sequence[int] | None = None,
     policy_masks: Sequence[Sequence[int]] | None = None,
+    token_versions: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Pads one rollout round into a batch (rows in the order given); `sample_ids` default
     to 0..B-1. `policy_masks` (multi-turn episodes): per response token, 1 if the policy
-    generated it, 0 if the env inserted it; the batch then has `env_mask`."""
+    generated it, 0 if the env inserted it; the batch then has `env_mask`. `token_versions`:
+    per response token, the version that sampled it (a row's None, or no argument: all
+    `policy_version`); `policy_version` is the round's, which no token may be older than,
+    and each row's `policy_version` column its oldest token's."""
     n = len(prompt_ids)
     if not (len(response_ids) == len(behavior_logp) == len(rewards) == n):
         raise ValueError(
@@ -70,6 +78,15 @@ def pack_rollouts(
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} log-probs")
         if policy_masks is not None and len(policy_masks[i]) != len(r):
             raise ValueError(f"row {i}: {len(r)} response tokens but a policy mask of {len(policy_masks[i])}")
+    versions = [
+        [policy_version] * len(r) if token_versions is None or token_versions[i] is None else list(token_versions[i])
+        for i, r in enumerate(response_ids)
+    ]
+    for i, (r, v) in enumerate(zip(response_ids, versions)):
+        if len(v) != len(r):
+            raise ValueError(f"row {i}: {len(r)} response tokens but {len(v)} token versions")
+        if v and min(v) < policy_version:
+            raise ValueError(f"row {i}: a token of version {min(v)}, older than its round's {policy_version}")
     p = max((len(x) for x in prompt_ids), default=0)
     r = max(1, max((len(x) for x in response_ids), default=0))
     policy = policy_masks if policy_masks is not None else [[1.0] * len(x) for x in response_ids]
@@ -81,7 +98,8 @@ def pack_rollouts(
         # the env's tokens carry no behaviour log-prob
         "behavior_logp": _pad(behavior_logp, r, np.float32, left=False) * (_pad(policy, r, np.float32, left=False) > 0),
         "rewards": np.asarray(rewards, dtype=np.float32),
-        "policy_version": np.full(n, policy_version, dtype=np.int64),
+        "token_version": _pad(versions, r, np.int64, left=False),
+        "policy_version": np.asarray([min(v, default=policy_version) for v in versions], dtype=np.int64),
         "sample_id": np.asarray(list(sample_ids), dtype=np.int64),
     }
     if policy_masks is not None:
@@ -114,6 +132,12 @@ def concat_rollouts(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
         else:
             out[key] = np.concatenate([b[key] for b in batches])
     return out
+
+
+def versions_spanned(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """(B,) how many policy versions each row's tokens were sampled by (1: no load mid-row)."""
+    versions = np.where(batch["response_mask"] + batch.get("env_mask", 0) > 0, batch["token_version"], -1)
+    return np.array([len(set(row[row >= 0].tolist())) or 1 for row in versions], dtype=np.int64)
 
 
 def num_rows(batch: dict[str, np.ndarray]) -> int:

@@ -61,6 +61,8 @@ def bench_vllm_overhead(engine, prompts, sampling, repeats) -> dict:
     """Raw `LLM.generate` with the same requests `VLLMEngine.generate` makes, and the wrapper's
     own work (building SamplingParams, converting outputs) timed alone: end-to-end differences
     drown in the run-to-run noise of a shared CPU."""
+    from m2po_rllib.rollout.vllm_outputs import completions
+
     requests = [{"prompt_token_ids": p} for p in prompts]
 
     def build_params():
@@ -79,7 +81,7 @@ def bench_vllm_overhead(engine, prompts, sampling, repeats) -> dict:
                 engine.generate(prompts, sampling)
             (raw_times, wrapped_times)[which].append(time.perf_counter() - start)
     params_s, _ = timed(build_params, repeats)
-    convert_s, _ = timed(lambda: [engine._completions(out, sampling.n) for out in raw], repeats)
+    convert_s, _ = timed(lambda: [completions(out, sampling.n) for out in raw], repeats)
     tokens = sum(len(c.token_ids) for out in raw for c in out.outputs)
     raw_s = statistics.median(raw_times)
     return {

@@ -197,7 +197,8 @@ class M2POConfig(AlgorithmConfig):
         # With streaming: a runner loads newer weights as soon as it holds them, between two
         # decoding steps, instead of letting the groups in flight finish first; each token is
         # labelled with the version that sampled it (the batch's `token_version`), and a row's
-        # age is its oldest token's. The HF engine only, for now (vLLM: pause/load/resume).
+        # age is its oldest token's. Both engines recompute the KV cache of the sequences in
+        # flight with the new weights (HF: prefill again; vLLM: paused, preempted, recomputed).
         self.inflight_weight_updates = False
 
         # -- evaluation() -----------------------------------------------------------------

@@ -632,11 +632,6 @@ def _check_inflight_weight_updates(config) -> list[Problem]:
         out.append(problem(("inflight_weight_updates", "streaming"),
                            "`inflight_weight_updates=True` loads weights into a streaming runner's engine between two "
                            "decoding steps; it needs streaming=True (round-based runners load between rounds)"))
-    if config.resolved_rollout_engine() != "hf":
-        out.append(problem(("inflight_weight_updates", "rollout_engine"),
-                           f"`inflight_weight_updates=True` runs on the HF engine only for now (rollout_engine is "
-                           f"{config.resolved_rollout_engine()!r}; vLLM's pause / load / resume is not wired in yet): set "
-                           "rollout_engine='hf', or inflight_weight_updates=False"))
     if config.recompute_behavior_logp:
         out.append(problem(("inflight_weight_updates", "recompute_behavior_logp"),
                            "`recompute_behavior_logp=True` rescores a round with the weights its runner serves when it "

@@ -19,6 +19,7 @@ from _references import plain_truncated_logp
 from _tolerance import decoder_rtol
 from transformers import AutoConfig
 from m2po_rllib.rollout.engine import EngineDeadError, SamplingConfig, make_engine
+from m2po_rllib.rollout.hf_engine import HFEngine
 from m2po_rllib.rollout.vllm_engine import VLLMEngine, serialize_weight_chunks
 from m2po_rllib.rollout.vllm_health import pid_alive
 
@@ -471,18 +472,21 @@ def test_weight_sync_changes_the_policy_and_ignores_stale_versions(
     assert max_logprob_diff(original, prompt_ids, engine.generate(prompt_ids, sampled), 0.9) < 1e-3
 
 
-def test_the_hf_engine_loads_weights_mid_sequence_and_each_token_is_its_versions(
-    hf_engine, prompt_ids, tiny_model_dir, other_model_dir
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_a_mid_sequence_load_goes_on_with_the_new_weights_and_labels_each_token(
+    engine, prompt_ids, tiny_model_dir, other_model_dir
 ):
     """`update_weights(..., mid_sequence=True)` between two decoding steps: the groups in flight
     go on, each token labelled with the version that sampled it, and each segment's log-probs
     are a plain forward's over the whole sequence under that segment's weights (the KV cache
-    was recomputed by the new weights, not kept); a group that joins after the load is all the
-    new version's."""
-    engine, at = hf_engine, 5
+    was recomputed by the new weights, not kept: HF prefills again, vLLM preempts and
+    recomputes); a group that joins after the load is all the new version's. (vLLM's engine
+    core steps its requests on its own, ahead of our `step()` calls: where its load falls is
+    read from its labels.)"""
+    at = 5
     original, other = load_hf(tiny_model_dir), load_hf(other_model_dir)
     start = engine.version
-    sampling = SamplingConfig(n=3, max_tokens=20, seed=3, temperature=1.0)
+    sampling = SamplingConfig(n=3, max_tokens=150, seed=3, temperature=1.0)
     engine.submit("before", prompt_ids[0], sampling)
     for _ in range(at):
         assert engine.step() == []
@@ -491,10 +495,12 @@ def test_the_hf_engine_loads_weights_mid_sequence_and_each_token_is_its_versions
     spanning = 0
     for key, ids in (("before", prompt_ids[0]), ("after", prompt_ids[1])):
         for c in finished[key][0]:
-            n = len(c.token_ids)
-            versions = [start] * min(at, n) + [start + 1] * (n - at) if key == "before" else [start + 1] * n
-            assert c.token_versions() == versions, key
-            spanning += len(set(versions)) == 2
+            versions, n = c.token_versions(), len(c.token_ids)
+            k = versions.count(start) if key == "before" else 0  # tokens sampled before the load
+            assert versions == [start] * k + [start + 1] * (n - k), key
+            if isinstance(engine, HFEngine) and key == "before":
+                assert k == min(at, n)
+            spanning += 0 < k < n
             tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=len(ids) + n)
             scale = max(1.0, max(abs(x) for x in c.logprobs))
             for model, version in ((original, start), (other, start + 1)):
@@ -503,15 +509,6 @@ def test_the_hf_engine_loads_weights_mid_sequence_and_each_token_is_its_versions
                 assert [c.logprobs[i] for i in mine] == pytest.approx([ref[i] for i in mine], abs=tol * scale)
     assert spanning >= 2  # samples long enough to cross the load
     assert engine.update_weights(original.state_dict(), start + 2)  # the module's engine back as it was
-
-
-@pytest.mark.slow
-def test_vllm_refuses_a_mid_sequence_load_and_keeps_its_groups(vllm_engine, prompt_ids):
-    vllm_engine.submit("g", prompt_ids[0], SHORT)
-    with pytest.raises(NotImplementedError, match="does not load weights with groups in flight"):
-        vllm_engine.update_weights({}, vllm_engine.version + 1, mid_sequence=True)
-    finished, _ = stream(vllm_engine, {0: []})
-    assert list(finished) == ["g"] and len(finished["g"][0]) == SHORT.n
 
 
 @pytest.mark.slow

@@ -13,7 +13,11 @@ anywhere), set up at start only when asked for (`weight_transport` "nccl", "gloo
 on CUDA). Training turns it on with `env_runners(weight_sync="native")`: the learners' sender
 (`sync/sender.py`) broadcasts after each update; the engine's own default is "object_store".
 The prefix cache is reset after either, since its KV entries were
-computed by the old weights; versions stay with `GenerationEngine`.
+computed by the old weights; versions stay with `GenerationEngine`. A load with streamed
+groups in flight (`update_weights(..., mid_sequence=True)`) happens between two of our engine
+steps: the running requests are then preempted (`reset_prefix_cache(reset_running_requests=
+True)`), so vLLM recomputes their KV from the prompt and the tokens so far with the new
+weights when they resume, and the tokens sampled from then on carry the new version's label.
 
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core
 process or a worker process (pids recorded at start) is gone or a zombie; `generate` then
@@ -33,6 +37,7 @@ import torch
 from m2po_rllib.log_filters import quiet_vllm_logging
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
 from m2po_rllib.rollout.vllm_health import engine_core_processes, find_death
+from m2po_rllib.rollout.vllm_outputs import check_versions, completions
 from m2po_rllib.sync.vllm_worker import WeightSyncExtension
 from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks: re-exported)
     DEFAULT_SYNC_CHUNK_BYTES,
@@ -168,7 +173,7 @@ class VLLMEngine(GenerationEngine):
 
         return SamplingParams(
             # vLLM refuses n > 1 when greedy; the n samples would be identical anyway, so
-            # one is generated and copied (`_completions`).
+            # one is generated and copied (`vllm_outputs.completions`).
             n=1 if sampling.temperature == 0 else sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -198,20 +203,10 @@ class VLLMEngine(GenerationEngine):
         self._check_idle("generate a batch")  # vLLM would run (and return) the streamed requests too
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         outputs = self._call(self.llm.generate, prompts, params, use_tqdm=False)
-        groups = [self._completions(out, sampling.n) for out in outputs]
+        groups = [completions(out, sampling.n) for out in outputs]
         for group in groups:
-            self._check_one_version(group, self._version, "a round")
+            check_versions(group, self._version, "a round")
         return groups
-
-    @staticmethod
-    def _check_one_version(group: list[Completion], version: int, what: str) -> None:
-        """Every token of `group` was sampled by policy `version`, as vLLM labelled them."""
-        for c in group:
-            if c.weight_versions and any(v != version for v, _, _ in c.weight_versions):
-                raise RuntimeError(
-                    f"vLLM sampled tokens with weights labelled {c.weight_versions} for {what} of version "
-                    f"{version}: weights changed within {what}"
-                )
 
     # --- streaming: vLLM's own continuous batching, one request per group ------------------
 
@@ -242,37 +237,14 @@ class VLLMEngine(GenerationEngine):
         for out in self._call(self.llm.llm_engine.step):
             if out.finished and out.request_id in self._streamed:
                 key, n, version = self._streamed.pop(out.request_id)
-                group = self._completions(out, n)
-                self._check_one_version(group, version, f"group {key!r}")
+                group = completions(out, n)
+                check_versions(group, version, f"group {key!r}", newest=self._version)
                 finished.append((key, group))
         return finished
 
     @property
     def in_flight(self) -> int:
         return len(self._streamed)
-
-    @staticmethod
-    def _completions(request_output, n: int) -> list[Completion]:
-        samples = sorted(request_output.outputs, key=lambda c: c.index)
-        if len(samples) == 1 < n:  # greedy
-            samples = samples * n
-        if len(samples) != n:
-            raise RuntimeError(
-                f"vLLM returned {len(samples)} samples for request "
-                f"{request_output.request_id}; asked for {n}"
-            )
-        completions = []
-        for c in samples:
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(
-                    f"vLLM ended request {request_output.request_id} with finish_reason "
-                    f"{c.finish_reason!r}"
-                )
-            token_ids = list(c.token_ids)
-            logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
-            spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
-            completions.append(Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None))
-        return completions
 
     # --- sleep (colocated training) ---------------------------------------------------------
 
@@ -316,20 +288,32 @@ class VLLMEngine(GenerationEngine):
             )
         self.native.join(self, init_info)
 
+    loads_mid_sequence = True
+
     def update_weights(self, weights: Mapping[str, torch.Tensor] | BroadcastWeights, version: int, *,
                        mid_sequence: bool = False) -> bool:
         """As `GenerationEngine.update_weights`, except that a native sync is always received:
         the learner is broadcasting it, and a rank that stayed out would hang the collective.
         The version then only moves forward (an engine that got a newer version another
-        way, e.g. a checkpoint restore, keeps it)."""
-        if not isinstance(weights, BroadcastWeights):
-            loaded = super().update_weights(weights, version, mid_sequence=mid_sequence)
-        else:
-            self._load_weights(weights)
-            self._version = max(self._version, version)
-            loaded = True
-        if loaded:
-            self._label_weight_version()
+        way, e.g. a checkpoint restore, keeps it). With groups in flight (`mid_sequence`) the
+        engine core, which steps its requests on its own, is paused around the load (vLLM's
+        `pause_scheduler(mode="keep")`: no forward pass meets half-loaded weights), and the new
+        label is set before it resumes."""
+        paused = bool(mid_sequence and self.in_flight)
+        if paused:
+            self._call(self.llm.llm_engine.engine_core.call_utility, "pause_scheduler", "keep", False)
+        try:
+            if not isinstance(weights, BroadcastWeights):
+                loaded = super().update_weights(weights, version, mid_sequence=mid_sequence)
+            else:
+                self._load_weights(weights)
+                self._version = max(self._version, version)
+                loaded = True
+            if loaded:
+                self._label_weight_version()
+        finally:
+            if paused:
+                self._call(self.llm.llm_engine.engine_core.call_utility, "resume_scheduler")
         return loaded
 
     def _label_weight_version(self) -> None:
@@ -357,6 +341,11 @@ class VLLMEngine(GenerationEngine):
             raise EngineDeadError(f"vLLM engine unusable: {self._dead_reason}; build a new one") from e
         self._call(self.llm.reset_prefix_cache)
         self.last_sync_stats = {**stats, "transport": transport.name}
+
+    def _continue_after_load(self) -> None:
+        """(paused) The running requests preempted: vLLM recomputes their KV with the new weights."""
+        if not self._call(self.llm.llm_engine.reset_prefix_cache, reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset the KV cache of the requests in flight after a weight load")
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -1,0 +1,45 @@
+"""vLLM's request outputs read as `Completion`s, and the version labels on their tokens checked."""
+
+from __future__ import annotations
+
+from m2po_rllib.rollout.engine import Completion
+
+
+def completions(request_output, n: int) -> list[Completion]:
+    """The `n` samples of one request, in order (a greedy request's one sample copied n times),
+    with their log-probs and vLLM's per-token version labels."""
+    samples = sorted(request_output.outputs, key=lambda c: c.index)
+    if len(samples) == 1 < n:  # greedy
+        samples = samples * n
+    if len(samples) != n:
+        raise RuntimeError(
+            f"vLLM returned {len(samples)} samples for request "
+            f"{request_output.request_id}; asked for {n}"
+        )
+    out = []
+    for c in samples:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(
+                f"vLLM ended request {request_output.request_id} with finish_reason "
+                f"{c.finish_reason!r}"
+            )
+        token_ids = list(c.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
+        spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
+        out.append(Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None))
+    return out
+
+
+def check_versions(group: list[Completion], version: int, what: str, newest: int | None = None) -> None:
+    """Every token of `group` was sampled by policy `version` (with loads mid-sequence: by
+    a version from `version` to `newest`, never an older one after a newer), as vLLM
+    labelled them."""
+    newest = version if newest is None else newest
+    for c in group:
+        labels = [v for v, _, _ in c.weight_versions or ()]
+        if any(not version <= v <= newest for v in labels) or labels != sorted(labels):
+            raise RuntimeError(
+                f"vLLM sampled tokens with weights labelled {c.weight_versions} for {what} started at version "
+                f"{version}" + (f" (newest since: {newest})" if newest != version else
+                                f": weights changed within {what}")
+            )

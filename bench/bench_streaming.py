@@ -11,7 +11,9 @@ Variants (each in a fresh process, one at a time; nothing else should run beside
 - `rounds-even`: round-based on 7-digit problems only, answers of about the same mean
   length without the spread: the throughput a runner has with no tail to wait for;
 - `rounds-1runner`, `streaming-1runner`: one runner (0.5 CPU) instead of two, so that
-  generation, not the learner, is what the run waits for.
+  generation, not the learner, is what the run waits for;
+- `inflight`: streaming with `env_runners.inflight_weight_updates=true` (weights loaded
+  mid-sequence, at every publish).
 Figures per run, over the iterations after the warm-up: optimizer updates per second;
 generated (trained) response tokens per second per runner, over the wall time and over the
 runner's busy time (what the engine makes while it works: the tail shows here); the runners' and the learner's
@@ -44,6 +46,7 @@ VARIANTS = {
     "rounds-even": ["environment.env_config.digits=7"],
     "rounds-1runner": ONE_RUNNER,
     "streaming-1runner": ONE_RUNNER + ["env_runners.streaming=true"],
+    "inflight": ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true"],
 }
 ACCURACY_VARIANTS = ("rounds", "streaming")
 
@@ -81,6 +84,7 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
                 runner_idle=result.get("async/runner_idle_frac"), learner_idle=result.get("async/learner_idle_frac"),
                 response_len=result["env_runners"].get("rollout/response_len_mean"),
                 trained_max=learner.get("staleness/trained_max"), staleness_mean=result.get("staleness/mean"),
+                token_age=result.get("staleness/token_mean"), spanned=result.get("staleness/versions_spanned_max"),
                 update_s=result.get("timers", {}).get("learner_update_timer"),
             ))
         warm = max(3, iters // 5)  # start-up and the first steps
@@ -98,6 +102,8 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
             "runner_idle_frac": mean("runner_idle"), "learner_idle_frac": mean("learner_idle"),
             "tokens_per_busy_s_per_runner": None,
             "response_len": mean("response_len"), "staleness_mean": mean("staleness_mean"),
+            "token_age_mean": mean("token_age"), "versions_spanned_max": max(
+                (r["spanned"] for r in rows if r["spanned"] is not None), default=None),
             "update_s_mean": mean("update_s"),  # the learner's seconds per step (it pads to the longest row)
             "trained_max_staleness": max(r["trained_max"] for r in rows if r["trained_max"] is not None),
             "policy_version": rows[-1]["version"],
@@ -153,6 +159,8 @@ def summarize(report: dict) -> list[str]:
     ratio("streaming", "rounds", "updates_per_s", "greater", "> 1x")
     ratio("streaming-1runner", "rounds-1runner", "updates_per_s", "greater", ">= 1.3x", threshold=math.log(1.3))
     ratio("streaming", "rounds", "tokens_per_busy_s_per_runner", "greater", "> 1x")
+    ratio("inflight", "streaming", "updates_per_s", "greater", "> 1x")
+    ratio("inflight", "streaming", "token_age_mean", "less", "< 1x")
     ratio("streaming", "rounds-even", "tokens_per_busy_s_per_runner", "not_lower", ">= 0.9x",
           margin=-math.log(0.9))
     ratio("rounds", "rounds-even", "update_s_mean", "greater", "> 1x")
@@ -188,7 +196,8 @@ def main() -> None:
                   f"runner idle {r['runner_idle_frac']:.2f}  learner idle {r['learner_idle_frac']:.2f} "
                   f"(update {r['update_s_mean']:.2f} s)  "
                   f"answer {r['response_len']:.1f} tokens  age mean {r['staleness_mean']:.1f} max "
-                  f"{r['trained_max_staleness']:.0f}", flush=True)
+                  f"{r['trained_max_staleness']:.0f}  token age {r['token_age_mean']:.2f}"
+                  f"  versions per row <= {r['versions_spanned_max'] or 1:.0f}", flush=True)
     if args.only in (None, "accuracy"):
         for seed in args.seeds:
             for v in [v for v in args.variants if v in ACCURACY_VARIANTS]:

@@ -106,6 +106,7 @@ EVAL_PROBLEMS = "num_problems"
 HELDOUT_ACCURACY = "heldout_accuracy"  # carried between evaluations into every result
 STALENESS_MEAN = "staleness/mean"  # age of the dispatched step's rows at its first minibatch
 STALENESS_MAX = "staleness/max"
+STALENESS_TOKEN_MEAN = "staleness/token_mean"  # the step's trained tokens' mean age (from each token's own version)
 # inflight_weight_updates: the most policy versions one row's tokens were sampled by (1: none crossed a load)
 VERSIONS_SPANNED_MAX = "staleness/versions_spanned_max"
 FILLING = "staleness/filling"  # sync: the stale-k queue is still filling (nothing trained)

@@ -258,6 +258,8 @@ class M2PO(Algorithm):
         age = start - rollout["policy_version"]
         self.metrics.log_value(keys.STALENESS_MEAN, float(age.mean()), window=1)
         self.metrics.log_value(keys.STALENESS_MAX, float(age.max()), window=1)
+        token_age = (start - rollout["token_version"])[rollout["response_mask"] > 0]
+        self.metrics.log_value(keys.STALENESS_TOKEN_MEAN, float(token_age.mean()), window=1)
         if cfg.inflight_weight_updates:
             self.metrics.log_value(keys.VERSIONS_SPANNED_MAX, float(versions_spanned(rollout).max()), window=1)
         advantages = compute_advantages(

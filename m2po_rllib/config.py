@@ -2,7 +2,7 @@
 
 Settings mirror RLlib's config methods (`training()`, `env_runners()`, `evaluation()`), so
 YAML configs (`configs/*.yaml`, see `config_io.py`) and Ray Tune param spaces use the same
-names. `validate()` runs RLlib's checks and then M2PO's (validation.py), and raises a
+names. `validate()` runs RLlib's checks and then M2PO's (validation/), and raises a
 `ConfigError` naming the setting, the value and the fix.
 """
 
@@ -443,7 +443,7 @@ class M2POConfig(AlgorithmConfig):
 
     @override(AlgorithmConfig)
     def validate(self) -> None:
-        """RLlib's checks, then M2PO's (validation.py), in stages; one `ConfigError` naming
+        """RLlib's checks, then M2PO's (validation/), in stages; one `ConfigError` naming
         every bad setting of the first stage that has any, each with the fix."""
         self._raise(validation.check_types(self))  # RLlib's own checks fail with a traceback on lr="abc"
         try:

@@ -355,6 +355,23 @@ def test_concat_rollouts_repads_prompts_left_and_responses_right():
     assert t["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
 
 
+def test_a_rows_version_is_its_oldest_tokens_and_no_token_predates_its_round():
+    """`token_versions` (a row's None: all the round's version): the batch's `token_version`
+    column, each row's `policy_version` its oldest token's (its age counts from it), how many
+    versions each row spans; a token older than its round refused."""
+    from m2po_rllib.wire.batch import versions_spanned
+
+    b = pack_rollouts([[5], [6], [7]], [[1, 2, 3], [4], [8, 9]], [[-1.0] * 3, [-1.0], [-1.0] * 2], [1.0, 0.0, 1.0],
+                      policy_version=3, token_versions=[[3, 4, 4], None, [5, 6]])
+    assert b["token_version"].tolist() == [[3, 4, 4], [3, 0, 0], [5, 6, 0]]
+    assert b["policy_version"].tolist() == [3, 3, 5]
+    assert versions_spanned(b).tolist() == [2, 1, 2]
+    with pytest.raises(ValueError, match="row 0: a token of version 2, older than its round's 3"):
+        pack_rollouts([[5]], [[1, 2]], [[-1.0, -1.0]], [0.0], policy_version=3, token_versions=[[2, 3]])
+    with pytest.raises(ValueError, match="row 0: 2 response tokens but 1 token versions"):
+        pack_rollouts([[5]], [[1, 2]], [[-1.0, -1.0]], [0.0], policy_version=3, token_versions=[[3]])
+
+
 def test_learner_order_reproduces_global_minibatches():
     # 2 minibatches of 4 rows over 2 learners: learner 0 gets [0,1 | 4,5], learner 1 [2,3 | 6,7].
     assert learner_order(8, 4, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

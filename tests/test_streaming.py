@@ -194,6 +194,7 @@ def test_evaluation_waits_for_the_groups_in_flight_and_streaming_goes_on(tiny_mo
     (dict(round_delay={"median_s": 0.1}), "streaming has no round barrier to delay"),
     (dict(streaming=False, inflight_weight_updates=True), "needs streaming=True"),
     (dict(inflight_weight_updates=True, recompute_behavior_logp=True), "keep the engine's own log-probs"),
+    (dict(weight_sync="native", rollout_engine="vllm"), "set inflight_weight_updates=True"),
 ])
 def test_streaming_settings_it_cannot_serve_are_refused(tiny_model_dir, settings, needle):
     from m2po_rllib.errors import ConfigError

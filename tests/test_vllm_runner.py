@@ -134,3 +134,40 @@ def test_streaming_vllm_runner_trains_one_version_per_round_within_the_bound(ray
         assert sorted(ids) == list(range(len(ids))) and algo.policy_version == 8
     finally:
         algo.stop()
+
+
+def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(ray_session, tiny_model_dir):
+    """streaming + inflight_weight_updates + weight_sync="native": each broadcast is received
+    between two decoding steps of the runner's groups (the generating thread parked, vLLM's
+    core paused, its running requests recomputed), never failing; every trained row's version
+    is its oldest token's and within the bound; each sample is trained once."""
+    from test_async import _record_trained_ids
+
+    config = _config(tiny_model_dir, weight_sync="native", streaming=True, inflight_weight_updates=True)
+    config.env_runners(max_new_tokens=24)
+    config.training(async_rollouts=True, max_staleness=5, logp_mismatch_interval=0)
+    algo = config.build_algo()
+    try:
+        seen, rollouts, update = _record_trained_ids(algo), [], algo._update
+
+        def spy(rollout):
+            rollouts.append({k: np.array(rollout[k]) for k in ("token_version", "response_mask", "policy_version")})
+            return update(rollout)
+
+        algo._update = spy
+        spans = []
+        for _ in range(4):
+            result = algo.train()
+            assert result["staleness/max"] <= 5
+            spans.append(result[keys.VERSIONS_SPANNED_MAX])
+        print("versions spanned (max per step):", spans)
+        assert result["weights/native_failures"] == 0 and result["weights/native_connects"] == 1
+        assert algo.env_runner_group.foreach_env_runner(lambda r: r._stream is not None, local_env_runner=False) == [True]
+    finally:
+        algo.stop()
+    for r in rollouts:
+        versions = np.where(r["response_mask"] > 0, r["token_version"], np.iinfo(np.int64).max)
+        np.testing.assert_array_equal(r["policy_version"], versions.min(1))
+    ids = np.concatenate(seen).tolist()
+    assert sorted(ids) == list(range(len(ids)))
+

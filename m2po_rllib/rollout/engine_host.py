@@ -224,13 +224,14 @@ class EngineHost:
         """Joins the learner's group (a new one replaces the last); starts the engine if needed."""
         self.engine.join_weight_group(init_info)
 
-    def receive(self, update_info: dict, version: int) -> bool:
-        """Receives one broadcast as `version`, between rounds (Ray runs a runner's calls one at
-        a time), whatever the version: a rank that stays out of a collective hangs it."""
+    def receive(self, update_info: dict, version: int, mid_sequence: bool = False) -> bool:
+        """Receives one broadcast as `version`, whatever the version (a rank that stays out of
+        a collective hangs it): between rounds (Ray runs a runner's calls one at a time), or,
+        `mid_sequence`, between two decoding steps of a streaming runner's groups."""
         from m2po_rllib.sync.transports import BroadcastWeights
 
         t0 = time.perf_counter()
-        loaded = self.engine.update_weights(BroadcastWeights(**update_info), version)
+        loaded = self.engine.update_weights(BroadcastWeights(**update_info), version, mid_sequence=mid_sequence)
         self._pending = None  # superseded
         self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
         return loaded

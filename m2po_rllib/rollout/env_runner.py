@@ -159,6 +159,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.host.join(init_info)
 
     def m2po_receive_weights(self, update_info: dict, version: int) -> bool:
+        if self._stream is not None:  # streaming (inflight_weight_updates): between two decoding steps
+            with self._stream.between_steps():
+                return self.host.receive(update_info, version, mid_sequence=True)
         return self.host.receive(update_info, version)
 
     # -- colocate=True: the driver puts the engine to sleep around each learner update ----------

@@ -112,6 +112,8 @@ class RoundStream:
         self._error: BaseException | None = None
         self._pause_requests = 0
         self._paused = False
+        self._holds = 0  # between_steps() callers waiting or running
+        self._held = False  # the thread is parked between two beats for them
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -179,6 +181,24 @@ class RoundStream:
                 self._pause_requests -= 1
                 self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def between_steps(self):
+        """Runs the with-block with the engine to itself between two beats of the generating
+        thread, the groups in flight left in flight (a native broadcast loaded mid-sequence:
+        `inflight_loads`)."""
+        with self._cv:
+            self._holds += 1
+            self._cv.notify_all()
+            while (self._thread is not None and self._thread.is_alive() and not self._held
+                   and self._error is None and not self._stopping):
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
     def stop(self) -> None:
         with self._cv:
             self._stopping = True
@@ -209,6 +229,13 @@ class RoundStream:
                 with self._cv:
                     if self._stopping:
                         return
+                    if self._holds:  # between_steps(): parked until its block is done
+                        self._held = True
+                        self._cv.notify_all()
+                        while self._holds and not self._stopping:
+                            self._cv.wait()
+                        self._held = False
+                        continue
                     if not self._active and (self._pause_requests or not self._pending):
                         self._idle()  # waits for a round, a pause to end, or the stop
                         continue

@@ -309,6 +309,8 @@ class VLLMEngine(GenerationEngine):
                 self._load_weights(weights)
                 self._version = max(self._version, version)
                 loaded = True
+                if paused:
+                    self._continue_after_load()
             if loaded:
                 self._label_weight_version()
         finally:

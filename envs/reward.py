@@ -18,25 +18,20 @@ Thread-safe: calls from several threads share the children; a call waits for a f
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import select
-import subprocess
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from fractions import Fraction
 
 from envs.answers import equation_sides, extract_answer, normalize_gold, parse_simple_number, to_text
+from envs.reward_child import VerifierChild
 
 MAX_SLOW_CHARS = 512
 """Longer extracted answers are judged wrong without math-verify (no real answer is)."""
 MAX_SLOW_NESTING = 12
 """Deeper bracket nesting is judged wrong without math-verify (its parser is exponential)."""
-_CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_verify_child.py")
 _METRIC_KEYS = (
     "reward/fast_path",  # decided in-process by the exact fast path (or as no/hedged answer)
     "reward/slow_path",  # sent to a math-verify child
@@ -87,80 +82,6 @@ def _nesting(text: str) -> int:
     return deepest
 
 
-class _Child:
-    """One math-verify process, used by one thread at a time."""
-
-    def __init__(self, timeout_s: int, memory_limit_mb: int):
-        env = dict(os.environ, SYMPY_GROUND_TYPES="python")
-        self.proc = subprocess.Popen(
-            [sys.executable, _CHILD_SCRIPT, str(timeout_s), str(memory_limit_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            close_fds=True,
-            start_new_session=True,  # a Ctrl-C in the parent's terminal does not hit it
-        )
-        self.ready = False
-        self.tasks = 0
-        self._buffer = b""
-
-    def _read_line(self, deadline: float) -> dict | None:
-        """The next JSON line, None if `deadline` passes; raises EOFError if the child died."""
-        poller = select.poll()  # not select.select: Ray workers can have fds >= 1024
-        poller.register(self.proc.stdout.fileno(), select.POLLIN)
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            if poller.poll(remaining * 1000):
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    raise EOFError("math-verify child exited")
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def wait_ready(self, startup_s: float) -> None:
-        if self.ready:
-            return
-        message = self._read_line(time.monotonic() + startup_s)
-        if message is None:
-            raise TimeoutError(f"math-verify child not ready after {startup_s:.0f} s")
-        if not message.get("ready"):
-            raise RuntimeError(
-                f"math-verify child failed to start: {message.get('error')}; "
-                "install the project's dependencies (`pip install math-verify`)"
-            )
-        self.ready = True
-
-    def request(self, pred: str, gold: str, deadline_s: float) -> dict | None:
-        payload = json.dumps({"pred": pred, "gold": gold}) + "\n"
-        self.proc.stdin.write(payload.encode())
-        self.proc.stdin.flush()
-        self.tasks += 1
-        return self._read_line(time.monotonic() + deadline_s)
-
-    def rss_mb(self) -> float:
-        try:
-            with open(f"/proc/{self.proc.pid}/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        except (OSError, ValueError, IndexError):
-            return 0.0
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-
 class MathVerifier:
     """A small pool of math-verify children behind an in-process fast path.
 
@@ -201,7 +122,7 @@ class MathVerifier:
         self.max_rss_mb = max_rss_mb
         self._pid = os.getpid()
         self._cond = threading.Condition()
-        self._idle: list[_Child] = []
+        self._idle: list[VerifierChild] = []
         self._live = 0
         self._counts = dict.fromkeys(_METRIC_KEYS, 0)
         self._count_lock = threading.Lock()
@@ -316,7 +237,7 @@ class MathVerifier:
                 break
         return _combine(pending, verdicts)
 
-    def _acquire(self) -> _Child:
+    def _acquire(self) -> VerifierChild:
         if os.getpid() != self._pid:
             # A forked copy of this object: the children and pipes belong to the parent.
             self._pid, self._idle, self._live = os.getpid(), [], 0
@@ -328,14 +249,14 @@ class MathVerifier:
                 return self._idle.pop()
             self._live += 1
         try:
-            return _Child(self.timeout_s, self.memory_limit_mb)
+            return VerifierChild(self.timeout_s, self.memory_limit_mb)
         except BaseException:
             with self._cond:
                 self._live -= 1
                 self._cond.notify()
             raise
 
-    def _release(self, child: _Child, healthy: bool) -> None:
+    def _release(self, child: VerifierChild, healthy: bool) -> None:
         if healthy and (child.tasks >= self.max_tasks_per_child or child.rss_mb() > self.max_rss_mb):
             healthy = False
         if not healthy:
@@ -343,7 +264,7 @@ class MathVerifier:
             self._count("reward/child_restarts")
             # Start the replacement now: it imports math-verify while the caller goes on.
             try:
-                child = _Child(self.timeout_s, self.memory_limit_mb)
+                child = VerifierChild(self.timeout_s, self.memory_limit_mb)
             except OSError:
                 with self._cond:
                     self._live -= 1

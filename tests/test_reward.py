@@ -342,7 +342,7 @@ def test_children_are_isolated_fresh_interpreters(verifier):
 def test_a_broken_install_is_loud_not_a_silent_zero(tmp_path, monkeypatch):
     script = tmp_path / "child.py"
     script.write_text('print(\'{"ready": false, "error": "ImportError: no math_verify"}\', flush=True)\n')
-    monkeypatch.setattr("envs.reward._CHILD_SCRIPT", str(script))
+    monkeypatch.setattr("envs.reward_child._CHILD_SCRIPT", str(script))
     with MathVerifier() as v:
         with pytest.raises(RuntimeError, match="failed to start.*math_verify"):
             v.check(r"\boxed{\sqrt 2}", r"\sqrt{2}")

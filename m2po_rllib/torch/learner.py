@@ -34,22 +34,19 @@ from ray.rllib.utils.annotations import override
 from m2po_rllib import keys
 from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
 from m2po_rllib.losses.correction import mismatch_metrics, rollout_correction
-from m2po_rllib.wire.weights import PublishedWeights
 from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch import fsdp
+from m2po_rllib.torch.learner_weights import LearnerWeights, world_size
 from m2po_rllib.torch.update_stats import M2ByAge, MinibatchMetrics
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
 
 logger = logging.getLogger(__name__)
 
+
 def _tensor(value, device) -> torch.Tensor:
     if torch.is_tensor(value):
         return value.to(device)
     return torch.from_numpy(np.array(value)).to(device)  # a copy: object-store arrays are read-only
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclasses.dataclass
@@ -70,7 +67,7 @@ class _Minibatch:
     metrics: MinibatchMetrics = dataclasses.field(default_factory=MinibatchMetrics)
 
 
-class M2POTorchLearner(TorchLearner):
+class M2POTorchLearner(LearnerWeights, TorchLearner):
     @override(TorchLearner)
     def build(self) -> None:
         if self.config.num_learners > 0:
@@ -99,81 +96,9 @@ class M2POTorchLearner(TorchLearner):
             super()._make_modules_ddp_if_necessary()
 
     @property
-    def _rank(self) -> int:
-        return dist.get_rank() if _world_size() > 1 else 0
-
-    def _refresh_full_weights(self) -> None:
-        """Sharded: gather the whole weights to rank 0's CPU (every learner at once, after
-        each update and each set_state), so that `get_state` on the first learner, which
-        is all RLlib asks, needs no collective. With a native weight sync the runners get
-        the weights gathered per tensor instead, and the whole copy is made only when asked
-        for (`publish_weights`, `gather_optimizer_state`: every learner calls them)."""
-        if self._sharded and self._full_weights_version != self.policy_version:
-            for module_id in self.module.keys():
-                self.module[module_id].unwrapped().gather_full_weights()
-            self._full_weights_version = self.policy_version
-
-    # -- native weight sync (weight_sync="native"; sync/sender.py) ----------------
-    def connect_weight_sync(self, targets: list, workers_per_target: list[int]) -> dict[str, float] | None:
-        """Forms the weight-transfer group with the EnvRunner actors `targets` (the first
-        learner; with sharded weights every learner calls this, the others only gather) and
-        sends the current weights. Returns the sync's metrics on the first learner
-        (`LearnerWeightSync.metrics`; None on the others)."""
-        from m2po_rllib.sync.sender import LearnerWeightSync
-
-        cfg = self.config
-        if self._weight_sync is None:
-            module = self.module[DEFAULT_MODULE_ID].unwrapped()
-            sharded = dict(materialize=fsdp.full_tensor, agree=self._agree_on_units) if self._sharded else {}
-            self._weight_sync = LearnerWeightSync(
-                backend=cfg.resolved_weight_sync_backend(), dtype=cfg.served_dtype(),
-                state_fn=module.model.state_dict, rank=self._rank, bucket_bytes=cfg.weight_sync_bucket_bytes,
-                only_changed=cfg.weight_sync_only_changed, **sharded,
-            )
-        stats = self._weight_sync.connect(targets if self._rank == 0 else [], workers_per_target, self.policy_version)
-        return self._weight_sync.metrics(stats) if self._rank == 0 else None
-
-    def _agree_on_units(self, units: set[str]) -> set[str]:
-        """Sharded delta syncs: every learner gathers the units rank 0 found changed."""
-        box = [sorted(units)]
-        dist.broadcast_object_list(box, src=0)
-        return set(box[0])
-
-    def _send_weights(self, result: dict) -> PublishedWeights | None:
-        """Native sync after an update: broadcasts the weights (every sharded learner joins
-        the gathers) and returns the notice the runners' requests carry; after a failed
-        send, the weights through the object store, and a request to form the group again."""
-        version = self.policy_version
-        stats = self._weight_sync.send(version)
-        sent = stats is not None or self._rank != 0
-        if self._sharded:  # every learner learns whether rank 0's broadcast went through
-            flag = torch.tensor([1.0 if sent else 0.0], device=self._device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            sent = bool(flag.item())
-        if self._rank == 0:
-            result[keys.NATIVE_SYNC_KEY] = self._weight_sync.metrics(stats)
-        if sent:
-            return PublishedWeights.broadcast(version) if self._rank == 0 else None
-        result[keys.WEIGHT_SYNC_RECONNECT_KEY] = True
-        return self.publish_weights()
-
-    @property
     def policy_version(self) -> int:
         """Optimizer updates applied to this learner's weights."""
         return int(self.module[DEFAULT_MODULE_ID].unwrapped().policy_version)
-
-    # -- weights for the EnvRunners -------------------------------------------------------
-    def publish_weights(self) -> PublishedWeights | None:
-        """The current weights, published once for every runner: `ray.put` from this process
-        when runners are remote (the driver passes the reference on), else in process.
-        Only the first learner publishes (the others return None)."""
-        self._refresh_full_weights()  # sharded: a collective, if the copy is older than the weights
-        if self._rank != 0:
-            return None
-        state = self.module[DEFAULT_MODULE_ID].unwrapped().get_state(inference_only=True)
-        cfg = self.config
-        remote = cfg.num_learners > 0 or cfg.num_env_runners > 0 or cfg.evaluation_num_env_runners > 0
-        return PublishedWeights.publish(state["weights"], version=self.policy_version, remote=remote)
 
     @override(TorchLearner)
     def update(self, *args, return_state: bool = False, **kwargs):
@@ -224,7 +149,7 @@ class M2POTorchLearner(TorchLearner):
     def response_logp_share(self, batch: dict[str, Any]) -> tuple[int, np.ndarray]:
         """This learner's contiguous share of `response_logp(batch)`, with its rank: the
         learners compute a whole batch's log-probs together."""
-        rank, world = self._rank, _world_size()
+        rank, world = self._rank, world_size()
         n = len(batch["response_mask"])
         return rank, self.response_logp(batch, rows=slice(rank * n // world, (rank + 1) * n // world))
 
@@ -258,7 +183,7 @@ class M2POTorchLearner(TorchLearner):
     def _accumulate_gradients(self, module_id: str, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg = self.config.get_config_for_module(module_id)
         module = self.module[module_id]
-        world = _world_size()
+        world = world_size()
         scope_global = cfg.mask_scope == "global"
         group = None if scope_global else LOCAL
         n = len(mb["response_mask"])

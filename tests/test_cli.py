@@ -411,7 +411,7 @@ def test_the_record_survives_a_crash_like_the_checkpoint(tmp_path, capfd, monkey
 def test_a_ctrl_c_that_lands_in_a_finalizer_is_delivered_after_it():
     """Python drops an exception raised inside `__del__` (it prints "Exception ignored in"):
     a Ctrl-C that arrives while a finalizer runs is raised again just after it, not lost."""
-    from m2po_rllib.jobs.train import _CtrlC
+    from m2po_rllib.jobs.ctrl_c import CtrlC
 
     raised_inside = []
 
@@ -422,7 +422,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_is_delivered_after_it():
             except KeyboardInterrupt:
                 raised_inside.append(True)
 
-    with _CtrlC() as ctrl_c:
+    with CtrlC() as ctrl_c:
         Finalized()  # its __del__ runs here and receives the Ctrl-C
         with pytest.raises(KeyboardInterrupt):
             time.sleep(5)  # the re-delivered SIGINT interrupts this

@@ -6,17 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from m2po_rllib import durable, keys
 from m2po_rllib.jobs import run_dir as runs
+from m2po_rllib.jobs.ctrl_c import CtrlC
 from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
 from m2po_rllib.resources import check_local_learner_gpus
 from m2po_rllib.jobs.history import history_record, tensorboard_scalars
@@ -56,61 +54,6 @@ def _progress_line(result: dict, last_eval: float | None) -> dict[str, str]:
     if result.get(keys.FILLING):
         out["queue"] = f"filling {int(result.get(keys.QUEUE_LEN, 0))}"
     return out
-
-
-class _CtrlC:
-    """SIGINT once the algorithm is built. Inside a training iteration (`step()`) the first
-    Ctrl-C asks to stop after it, since a half-done step is no consistent checkpoint; a
-    second one abandons the iteration. Anywhere else (held-out evaluation, between
-    iterations) it raises KeyboardInterrupt at once. `abandoned` tells the two apart."""
-
-    def __init__(self):
-        self.requested = False
-        self.abandoned = False
-        self._in_step = False
-        self._deferred: threading.Timer | None = None
-
-    def __enter__(self):
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        if self._deferred is not None and self._deferred.is_alive():
-            self._deferred.cancel()  # a Ctrl-C still to be delivered: it is a request to stop
-            self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-
-    def _handle(self, signum, frame):
-        if _in_finalizer(frame):
-            # Python prints and drops an exception raised inside a __del__ ("Exception
-            # ignored in ..."): deliver this Ctrl-C again once the finalizer is done
-            self._deferred = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
-            self._deferred.start()
-            return
-        if self._in_step and not self.requested:
-            self.requested = True
-            print("\nCtrl-C: stopping after this iteration to save a checkpoint (Ctrl-C again to quit without it)", flush=True)
-            return
-        self.requested = True
-        self.abandoned = self._in_step
-        raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def step(self):
-        self._in_step = True
-        try:
-            yield
-        finally:
-            self._in_step = False
-
-
-def _in_finalizer(frame) -> bool:
-    """Whether `frame` runs inside an object's `__del__` (on its own or a caller's frame)."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
 
 
 def run_training(
@@ -153,7 +96,7 @@ def run_training(
             return 130
         raise
     try:
-        with _CtrlC() as ctrl_c:
+        with CtrlC() as ctrl_c:
             return _train(algo, run_dir, run, ctrl_c, progress=progress, resumed=(meta, changes, overrides) if resume else None)
     except BaseException:
         trained = algo.iteration > 0
@@ -178,7 +121,7 @@ def _print_header(algo, run_dir: Path, run: dict) -> None:
     )
 
 
-def _train(algo, run_dir: Path, run: dict, ctrl_c: _CtrlC, *, progress: bool, resumed) -> int:
+def _train(algo, run_dir: Path, run: dict, ctrl_c: CtrlC, *, progress: bool, resumed) -> int:
     """The loop; `resumed` is (run.json contents, changed settings, overrides) or None."""
     ckpt_dir = run_dir / "checkpoint"
     history_path = run_dir / "history.json"

@@ -9,10 +9,8 @@ names. `validate()` runs RLlib's checks and then M2PO's (validation/), and raise
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
-import torch
 from typing_extensions import Self
 
 # DEPRECATED_VALUE: the -1 that RLlib's `get_state` drops (from where that method reads it).
@@ -21,17 +19,11 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.annotations import override
 
 from m2po_rllib import config_io, validation
+from m2po_rllib.config_derived import DEFAULT_MODEL_DTYPE, DerivedSettings
 from m2po_rllib.errors import ConfigError
-from m2po_rllib.losses import PAPER_M2_THRESHOLD, policy_loss_params
-from m2po_rllib.rollout.staleness import AUTO, DEFAULT_CEILING, DEFAULT_HALF_LIFE
-from m2po_rllib.torch.fsdp import FSDP
+from m2po_rllib.losses import PAPER_M2_THRESHOLD
+from m2po_rllib.rollout.staleness import DEFAULT_CEILING, DEFAULT_HALF_LIFE
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
-
-logger = logging.getLogger(__name__)
-_NOTICED: set[str] = set()
-
-# The model's compute dtype unless `model_config["dtype"]` says otherwise (validation.MODEL_DTYPES).
-DEFAULT_MODEL_DTYPE = "float32"
 
 
 @functools.cache
@@ -42,7 +34,7 @@ def _rllib_deprecated_settings() -> frozenset[str]:
     )
 
 
-class M2POConfig(AlgorithmConfig):
+class M2POConfig(DerivedSettings, AlgorithmConfig):
     """Configuration of M2PO (and of the baselines, through `policy_loss`).
 
     Every M2PO-specific setting has its default and its meaning here, once.
@@ -334,71 +326,6 @@ class M2POConfig(AlgorithmConfig):
             if value is not NotProvided:
                 setattr(self, name, value)
 
-    # -- derived quantities ---------------------------------------------------------------
-    @property
-    def updates_per_step(self) -> int:
-        return self.num_epochs * (self.prompts_per_step // self.minibatch_prompts)
-
-    @property
-    def queue_lag_steps(self) -> int:
-        """Training steps between generating a round and training on it."""
-        return self.staleness // self.updates_per_step
-
-    @property
-    def sharded_learners(self) -> bool:
-        """The learners hold FSDP shards of the weights (`learner_sharding`; 2+ learners)."""
-        return self.learner_sharding == FSDP and self.num_learners > 1
-
-    @property
-    def runners_recompute_behavior_logp(self) -> bool:
-        """The training runners score their own rounds in the learner's numerics (async mode:
-        the learners no longer hold the generating weights when a round arrives; evaluation
-        runners never score)."""
-        return bool(self.recompute_behavior_logp and self.async_rollouts and not self.in_evaluation)
-
-    @property
-    def minibatch_size_per_learner(self) -> int:
-        return self.minibatch_prompts * self.group_size // max(1, self.num_learners)
-
-    def resolved_rollout_engine(self) -> str:
-        if self.rollout_engine != "auto":
-            return self.rollout_engine
-        return "vllm" if torch.cuda.is_available() else "hf"
-
-    @property
-    def native_weight_sync(self) -> bool:
-        return self.weight_sync == "native"
-
-    def resolved_weight_sync_backend(self) -> str:
-        """The native group's backend: "auto" is NCCL when the learners and the runners each
-        have whole GPUs (Ray then gives them different ones), else gloo (NCCL refuses two
-        ranks on one GPU, which fractional GPUs may share)."""
-        if self.weight_sync_backend != "auto":
-            return self.weight_sync_backend
-        gpus = torch.cuda.is_available() and self.learner_gpus >= 1 and (self.num_gpus_per_env_runner or 0) >= 1
-        return "nccl" if gpus else "gloo"
-
-    @property
-    def learner_gpus(self) -> float:
-        """GPUs per learner, the local one included (RLlib's new API stack gives a learner in
-        the main process `num_gpus_per_learner` too: the main process's bundle asks for them)."""
-        return self.num_gpus_per_learner or 0
-
-    def served_dtype(self) -> torch.dtype:
-        """The dtype the runners' engines serve the weights in (what a native sync sends)."""
-        name = (self.engine_kwargs or {}).get("dtype") or (self.model_config or {}).get("dtype", DEFAULT_MODEL_DTYPE)
-        return getattr(torch, name)
-
-    def policy_loss_params(self) -> dict[str, Any]:
-        """Keyword arguments for `compute_policy_loss(self.policy_loss, ...)`."""
-        accepted = policy_loss_params(self.policy_loss)
-        params = {}
-        for name, value in (("m2_threshold", self.m2_threshold), ("eps_low", self.eps_low), ("eps_high", self.eps_high)):
-            if name in accepted and value is not None:
-                params[name] = value
-        params.update(self.policy_loss_kwargs or {})
-        return params
-
     # -- RLlib hooks ----------------------------------------------------------------------
     @override(AlgorithmConfig)
     def get_state(self) -> dict[str, Any]:
@@ -445,7 +372,7 @@ class M2POConfig(AlgorithmConfig):
     def validate(self) -> None:
         """RLlib's checks, then M2PO's (validation/), in stages; one `ConfigError` naming
         every bad setting of the first stage that has any, each with the fix."""
-        self._raise(validation.check_types(self))  # RLlib's own checks fail with a traceback on lr="abc"
+        validation.raise_problems(validation.check_types(self))  # RLlib's own fail with a traceback on lr="abc"
         try:
             super().validate()
         except ConfigError:
@@ -453,40 +380,8 @@ class M2POConfig(AlgorithmConfig):
         except ValueError as e:  # RLlib's own messages name the setting and the fix too
             raise ConfigError(f"Invalid M2POConfig: {e}") from e
         for stage in validation.STAGES:
-            self._raise([p for check in stage for p in check(self)])
-        for notice in validation.notices(self):
-            if notice not in _NOTICED:  # validate() runs on every copy of the config: say it once
-                _NOTICED.add(notice)
-                logger.warning(notice)
-
-    @property
-    def min_max_staleness(self) -> int:
-        """The smallest `max_staleness` async mode can keep: a round generated while the
-        previous step trains is trained up to (broadcast_interval + 1) x updates_per_step - 1
-        updates after the weights that made it."""
-        return (self.broadcast_interval + 1) * self.updates_per_step - 1
-
-    @property
-    def auto_staleness(self) -> bool:
-        """The async bound follows the measured M2 (`max_staleness="auto"`)."""
-        return self.max_staleness == AUTO
-
-    def staleness_controller_settings(self) -> dict[str, Any]:
-        """`StalenessController`'s arguments, the defaults resolved."""
-        floor = self.min_max_staleness if self.staleness_floor is None else self.staleness_floor
-        target = self.m2_threshold if self.staleness_target_m2 is None else self.staleness_target_m2
-        return {"target_m2": float(target), "floor": int(floor), "ceiling": int(self.staleness_ceiling),
-                "half_life": float(self.staleness_half_life)}
-
-    @staticmethod
-    def _raise(problems: list[validation.Problem]) -> None:
-        if not problems:
-            return
-        settings = tuple(dict.fromkeys(name for names, _ in problems for name in names))
-        messages = [message for _, message in problems]
-        if len(messages) == 1:
-            raise ConfigError(f"Invalid M2POConfig: {messages[0]}", settings)
-        raise ConfigError("Invalid M2POConfig:\n  - " + "\n  - ".join(messages), settings)
+            validation.raise_problems([p for check in stage for p in check(self)])
+        validation.log_notices(self)
 
     # -- YAML -----------------------------------------------------------------------------
     @classmethod

@@ -99,3 +99,17 @@ def test_rooms_import_only_downwards(importer, forbidden):
         if target.startswith(forbidden)
     )
     assert offending == []
+
+
+MAX_LINES = 400  # a file that grows past it does more than one job: split it by job
+
+
+def test_no_source_file_is_over_400_lines():
+    root = PACKAGE.parent
+    long = sorted(
+        f"{path.relative_to(root)}: {n} lines"
+        for folder in (PACKAGE, root / "envs")
+        for path in folder.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    )
+    assert long == []

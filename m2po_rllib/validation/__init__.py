@@ -12,6 +12,9 @@ streaming, stage 4).
 
 from __future__ import annotations
 
+import logging
+
+from m2po_rllib.errors import ConfigError
 from m2po_rllib.validation.problems import Check, Problem, check_types, problem
 from m2po_rllib.validation.runners import (
     check_colocate,
@@ -41,4 +44,30 @@ STAGES: tuple[tuple[Check, ...], ...] = (
     (check_rollout_mode, check_weight_sync, check_gpu_requests, check_colocate, check_streaming),
 )
 
-__all__ = ["STAGES", "Check", "Problem", "problem", "check_types", "notices", "env_id_error", "MODEL_DTYPES"]
+logger = logging.getLogger(__name__)
+_NOTICED: set[str] = set()
+
+
+def raise_problems(problems: list[Problem]) -> None:
+    """One `ConfigError` naming every problem's settings and listing their messages; nothing
+    when there is none."""
+    if not problems:
+        return
+    settings = tuple(dict.fromkeys(name for names, _ in problems for name in names))
+    messages = [message for _, message in problems]
+    if len(messages) == 1:
+        raise ConfigError(f"Invalid M2POConfig: {messages[0]}", settings)
+    raise ConfigError("Invalid M2POConfig:\n  - " + "\n  - ".join(messages), settings)
+
+
+def log_notices(config) -> None:
+    """Logs each of `notices(config)` once per process (`validate()` runs on every copy of a
+    config)."""
+    for notice in notices(config):
+        if notice not in _NOTICED:
+            _NOTICED.add(notice)
+            logger.warning(notice)
+
+
+__all__ = ["STAGES", "Check", "Problem", "problem", "check_types", "notices", "env_id_error", "MODEL_DTYPES",
+           "raise_problems", "log_notices"]

@@ -51,7 +51,7 @@ from m2po_rllib.losses.correction import mismatch_metrics
 from m2po_rllib.resources import actors_placed
 from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
 from m2po_rllib.threads import use_cpus
-from m2po_rllib.wire.batch import learner_order, num_rows, take_rows, to_train_batch, versions_spanned
+from m2po_rllib.wire.batch import learner_order, num_rows, row_ages, take_rows, to_train_batch, versions_spanned
 
 quiet_gputil_hint_without_gpus()
 quiet_rllib_new_api_stack_notice()
@@ -255,7 +255,7 @@ class M2PO(Algorithm):
         start = self._sampler.dispatched_version - cfg.updates_per_step  # this step's first update
         if cfg.async_rollouts and "engine_logp" in rollout:  # the runners recomputed them
             self._log_mismatch(rollout)
-        age = start - rollout["policy_version"]
+        age = row_ages(rollout, start)
         self.metrics.log_value(keys.STALENESS_MEAN, float(age.mean()), window=1)
         self.metrics.log_value(keys.STALENESS_MAX, float(age.max()), window=1)
         token_age = (start - rollout["token_version"])[rollout["response_mask"] > 0]

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from m2po_rllib.rollout.staleness import StalenessController
+from m2po_rllib.wire.batch import row_ages
 
 
 class AsyncRollouts:
@@ -147,7 +148,7 @@ class AsyncRollouts:
         last = next_version + self.updates_per_step - 1
         stale = [
             n for n in self.step_rounds()
-            if last - int(self.arrived[n]["policy_version"].min()) > self.admitted_bound.get(n, self.max_staleness)
+            if int(row_ages(self.arrived[n], last).max()) > self.admitted_bound.get(n, self.max_staleness)
         ]
         for n in stale:
             self.dropped_rows += len(self.arrived.pop(n)["sample_id"])

@@ -39,6 +39,7 @@ from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.learner_weights import LearnerWeights, world_size
 from m2po_rllib.torch.update_stats import M2ByAge, MinibatchMetrics
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
+from m2po_rllib.wire.batch import row_ages
 
 logger = logging.getLogger(__name__)
 
@@ -239,15 +240,13 @@ class M2POTorchLearner(LearnerWeights, TorchLearner):
             pad = {k: v[:1] for k, v in mb.items()}
             (module.forward_train(pad)[LOGP].sum() * 0.0).backward()
 
-        version = mb["policy_version"].double()
-        now = float(module.unwrapped().policy_version)
+        ages = row_ages(mb, module.unwrapped().policy_version).double()  # when this minibatch is trained
         metrics = ctx.metrics.result(self._device, over_learners=world > 1)
         metrics.update(
             {
-                # age in optimizer updates of this minibatch's rows when it is trained
-                keys.TRAINED_MIN: now - float(version.max()),
-                keys.TRAINED_MEAN: now - float(version.mean()),
-                keys.TRAINED_MAX: now - float(version.min()),
+                keys.TRAINED_MIN: float(ages.min()),
+                keys.TRAINED_MEAN: float(ages.mean()),
+                keys.TRAINED_MAX: float(ages.max()),
                 keys.MICRO_BATCHES: float(len(slices)),
             }
         )
@@ -297,7 +296,7 @@ class M2POTorchLearner(LearnerWeights, TorchLearner):
         usable = (sub["response_mask"] > 0) & torch.isfinite(log_ratio)
         if ctx.correction is not None:
             usable &= ctx.correction[1][ctx.rows]
-        self._m2_by_age.add(log_ratio, usable, now - sub["policy_version"], sub["sample_id"])
+        self._m2_by_age.add(log_ratio, usable, row_ages(sub, now), sub["sample_id"])
 
     @staticmethod
     def _correct(config, batch: dict[str, Any], ctx: _Minibatch) -> None:

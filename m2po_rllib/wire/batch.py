@@ -134,6 +134,13 @@ def concat_rollouts(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
     return out
 
 
+def row_ages(batch, version):
+    """Each row's age when trained by weights of `version`: `version` minus the row's
+    `policy_version`, its oldest token's (numpy or torch, as the batch's column). The one
+    definition admission, `max_staleness`, the staleness metrics and M2 by age use."""
+    return version - batch["policy_version"]
+
+
 def versions_spanned(batch: dict[str, np.ndarray]) -> np.ndarray:
     """(B,) how many policy versions each row's tokens were sampled by (1: no load mid-row)."""
     versions = np.where(batch["response_mask"] + batch.get("env_mask", 0) > 0, batch["token_version"], -1)

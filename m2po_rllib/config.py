@@ -118,6 +118,8 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         # learner, gradients all-reduced) or "fsdp" (FSDP2: parameters, gradients and AdamW
         # moments sharded over the learners; needs num_learners >= 2; torch/fsdp.py).
         self.learner_sharding = "ddp"
+        # The optimizer, AdamW: RLlib's `lr`, `grad_clip` (by the global norm) and
+        # `num_epochs` with M2PO's defaults, and its weight decay and betas.
         self.lr = 1e-6
         self.grad_clip = 1.0
         self.grad_clip_by = "global_norm"
@@ -138,6 +140,7 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         # auto: vllm with a GPU, else the transformers engine (faster for tiny models
         # on CPU; see docs/guide/gpus-and-clusters.md).
         self.rollout_engine = "auto"
+        # The engine's keyword arguments (dtype, gpu_memory_utilization, max_model_len, ...).
         self.engine_kwargs = {}
         # How the learner's weights reach the runners' engines (sync/):
         # "object_store" (every runner fetches one `ray.put` of them and loads it through its
@@ -150,6 +153,9 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         # served-dtype values changed since the last sync (frozen or unchanged parts cost
         # nothing; the learner keeps one more copy of the model on its CPU to compare).
         self.weight_sync = "object_store"
+        self.weight_sync_backend = "auto"
+        self.weight_sync_bucket_bytes = None
+        self.weight_sync_only_changed = False
         # The rollout engine on the learner's GPU (TRL's vllm_mode="colocate", verl's hybrid
         # engine): one process holds both (num_env_runners=0, num_learners=0), and around each
         # learner update the engine sleeps (vLLM's sleep mode, level 1: weights to CPU, KV cache
@@ -157,14 +163,14 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         # loads the new weights. Synchronous rollouts only. Where the engine has no sleep mode
         # (vLLM on CPU, the HF engine) the step is skipped, said once in the log.
         self.colocate = False
-        self.weight_sync_backend = "auto"
-        self.weight_sync_bucket_bytes = None
-        self.weight_sync_only_changed = False
+        # Sampling temperature of the rollouts (the learner's log-probs are taken at it).
         self.temperature = 1.0
         # Truncated sampling, vLLM's rule (m2po_rllib.truncation): the learner replays it,
         # so on-policy ratios stay 1. top_p = 1 and top_k = 0 (or -1) keep every token.
         self.top_p = 1.0
         self.top_k = 0
+        # Most tokens per completion (per turn, in multi-turn episodes), and stop strings (the
+        # env's own are added to them).
         self.max_new_tokens = 64
         self.stop = []
         # Multi-turn episodes (rollout/episodes.py; envs whose `multi_turn` is True: the
@@ -200,7 +206,6 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         self.eval_samples = 1
         self.custom_evaluation_function = evaluate_heldout
 
-    # -------------------------------------------------------------------------------------
     @override(AlgorithmConfig)
     def training(
         self,

@@ -37,3 +37,33 @@ def test_readme_is_a_front_door_whose_links_resolve():
     assert links, "README links to its documentation"
     broken = [target for target in links if not (REPO / target).exists()]
     assert not broken, f"README links to files that do not exist: {broken}"
+
+
+def _settings_hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("settings_reference", REPO / "scripts" / "settings_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_settings_table_is_the_configs_own():
+    """Every setting M2POConfig's training / env_runners / evaluation take by name has a row,
+    with the default a new config holds; a comment serves the assignments right below it,
+    and an assignment after a blank line has none (the build then stops, naming it)."""
+    import ast
+
+    from m2po_rllib.config import M2POConfig
+
+    ref = _settings_hook()
+    table = ref.table()
+    own = [n for names in ref.own_settings(ast.parse(ref.CONFIG.read_text())).values() for n in names]
+    assert {"policy_loss", "inflight_weight_updates", "eval_samples"} <= set(own)
+    rows = {name: row for row in table.splitlines() for name in own if f"`{name}`" in row.split("|")[2]}
+    assert set(rows) == set(own)
+    cfg = M2POConfig()
+    for name in ("m2_threshold", "max_new_tokens", "weight_sync"):
+        assert f"`{getattr(cfg, name)}`" in rows[name].split("|")[3]
+    source = "class M2POConfig:\n    def __init__(self):\n        # A.\n        self.a = 1\n        self.b = 2\n\n        self.c = 3\n"
+    assert ref.meanings(source, ast.parse(source)) == {"a": "A.", "b": "A.", "c": ""}

@@ -213,7 +213,7 @@ class RoundStream:
         if self.inflight_loads:
             with self._cv:
                 newest = self._newest_weights()
-            if newest is not None:
+            if newest is not None and not newest.native:  # native ones arrive by broadcast (between_steps)
                 self.host.use(newest, mid_sequence=bool(self._active))
         started = False
         while self._start_next():

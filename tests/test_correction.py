@@ -4,6 +4,7 @@ composed with every policy loss, and the mismatch metrics."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -118,3 +119,25 @@ def test_mismatch_metrics_against_plain_sums():
     assert stats[keys.LOGP_MISMATCH_LARGE_FRAC] == pytest.approx(sum(abs(d) > 0.1 for d in deltas) / len(deltas))
     assert stats[keys.LOGP_MISMATCH_ESS] == pytest.approx(sum(rhos) ** 2 / (len(rhos) * sum(r * r for r in rhos)))
     assert mismatch_metrics(behav, engine, torch.zeros_like(valid)) == {}
+
+
+@pytest.mark.parametrize("name, bounds, setting, why", [
+    ("tis_token", dict(high=0.9), "rollout_correction_high", "must be > 1"),
+    ("icepop", dict(low=1.5), "rollout_correction_low", "must be in [0, 1)"),
+    ("tis_seq", dict(low=0.5), "rollout_correction_low", "truncates from above only"),
+])
+def test_one_rule_for_the_bounds_in_the_loss_and_in_validate(name, bounds, setting, why, tiny_model_dir):
+    """The loss refuses the bounds `validate()` refuses, with the same reason (one rule:
+    `correction.bound_errors`)."""
+    from test_algorithm import tiny_config
+
+    from m2po_rllib.errors import ConfigError
+
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        rollout_correction(name, x, x, torch.ones(1, 2), **bounds)
+    cfg = tiny_config(tiny_model_dir, rollout_correction=name, recompute_behavior_logp=True,
+                      **{f"rollout_correction_{k}": v for k, v in bounds.items()})
+    with pytest.raises(ConfigError, match=re.escape(why)) as err:
+        cfg.validate()
+    assert f"`{setting}` ({next(iter(bounds.values()))})" in str(err.value) and setting in err.value.settings

@@ -56,6 +56,21 @@ def correction_bounds(name: str, low: float | None = None, high: float | None = 
     return (spec.low if low is None else low), (spec.high if high is None else high)
 
 
+def bound_errors(name: str, low: float | None = None, high: float | None = None) -> dict[str, str]:
+    """The one rule for correction `name`'s bounds (None: its default): "low" / "high" -> why
+    that bound is wrong; empty when both hold. An on-policy token (ratio 1) must be kept, so
+    high > 1 and 0 <= low < 1; a correction that only truncates from above takes no low."""
+    out = {}
+    if high is not None and not high > 1:
+        out["high"] = f"({high}) must be > 1: an on-policy token has ratio 1 and must be kept (TIS/MIS use 2, IcePop 5)"
+    if low is not None and not ROLLOUT_CORRECTIONS[name].masks:
+        out["low"] = (f"({low}) means nothing for {name!r}, which truncates from above only; leave it None, or use "
+                      "a masking correction (mis_token, mis_seq, icepop)")
+    elif low is not None and not 0 <= low < 1:
+        out["low"] = f"({low}) must be in [0, 1): an on-policy token has ratio 1 (IcePop uses 0.5)"
+    return out
+
+
 def rollout_correction(
     name: str,
     behavior_logp: torch.Tensor,
@@ -76,9 +91,9 @@ def rollout_correction(
     if name not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"unknown rollout correction {name!r}; valid: {sorted(ROLLOUT_CORRECTIONS)}")
     spec = ROLLOUT_CORRECTIONS[name]
+    if errors := bound_errors(name, low, high):
+        raise ValueError(f"rollout correction {name!r}: " + "; ".join(f"{k} {why}" for k, why in errors.items()))
     low, high = correction_bounds(name, low, high)
-    if not high > 0 or (low is not None and not 0 <= low < high):
-        raise ValueError(f"rollout correction {name!r}: bounds low={low}, high={high} must satisfy 0 <= low < high")
     with torch.no_grad():
         valid = valid.bool()
         log_rho = torch.where(valid, behavior_logp.float() - engine_logp.float(), 0.0)

@@ -8,7 +8,7 @@ import math
 import os
 
 from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
-from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS
+from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS, bound_errors
 from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
 from m2po_rllib.validation.problems import INT, NUMBER, Problem, is_kind, problem
 
@@ -67,24 +67,10 @@ def check_correction(config) -> list[Problem]:
             "behaviour log-probs in the learner's numerics: set recompute_behavior_logp=True (without it "
             "both are the engine's and every weight is 1)",
         ))
-    if high is not None and not high > 1:
-        out.append(problem(
-            "rollout_correction_high",
-            f"`rollout_correction_high` ({high}) must be > 1: an on-policy token has ratio 1 and must be kept "
-            "(TIS/MIS use 2, IcePop 5)",
-        ))
-    if low is not None:
-        if not ROLLOUT_CORRECTIONS[name].masks:
-            out.append(problem(
-                ("rollout_correction_low", "rollout_correction"),
-                f"`rollout_correction_low` ({low}) means nothing for {name!r}, which truncates from above only; "
-                "leave it None, or use a masking correction (mis_token, mis_seq, icepop)",
-            ))
-        elif not 0 <= low < 1:
-            out.append(problem(
-                "rollout_correction_low",
-                f"`rollout_correction_low` ({low}) must be in [0, 1): an on-policy token has ratio 1 (IcePop uses 0.5)",
-            ))
+    for bound, why in bound_errors(name, low, high).items():  # the correction's own rule
+        setting = f"rollout_correction_{bound}"
+        at_fault = (setting, "rollout_correction") if bound == "low" and not ROLLOUT_CORRECTIONS[name].masks else setting
+        out.append(problem(at_fault, f"`{setting}` {why}"))
     return out
 
 

@@ -316,6 +316,42 @@ def _row(batch, i: int) -> dict:
             "env_mask": batch["env_mask"][i][:n], "rewards": batch["rewards"][i]}
 
 
+def test_an_episode_spans_the_versions_loaded_while_it_is_played():
+    """Multi-turn episodes with `inflight_loads`: weights loaded during the first turn reach the
+    rest of it and the later turns; each policy token keeps the version that sampled it, an
+    env token its turn's last, a row's versions never go back, and its `policy_version` is its
+    oldest."""
+    from test_episodes import MODEL, _config
+
+    from m2po_rllib.models.builtin import resolve_model_path
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+    from m2po_rllib.rollout.streaming import RoundStream
+    from m2po_rllib.wire.batch import versions_spanned
+
+    runner = LLMEnvRunner(config=_config())
+    try:
+        path = resolve_model_path(MODEL)
+        stream = RoundStream(runner.host, runner.plan_round, runner.pack_round, inflight_loads=True)
+        g = runner.config.group_size
+        stream.put([dict(num_prompts=2, seed=41, stream=0, weights=_weights(path, 1, 0.0), first_sample_id=0,
+                         min_version=1)])
+        for _ in range(3):  # every episode's first turn has 3 tokens by version 1
+            assert stream.advance()
+        stream.put([], weights=_weights(path, 2, 0.0))
+        batch = _take_all(stream, 1)[0]
+        assert len(batch["sample_id"]) == 2 * g
+        policy, env = batch["response_mask"] > 0, batch["env_mask"] > 0
+        for i in range(len(policy)):
+            real = policy[i] | env[i]
+            versions = batch["token_version"][i][real]
+            assert versions[:3].tolist() == [1, 1, 1] and set(versions[3:].tolist()) <= {2}
+            assert batch["policy_version"][i] == 1
+        assert (versions_spanned(batch) == 2).sum() >= 2
+        assert max(_turns(m) for m in batch["response_mask"]) > 1  # later turns, all by version 2
+    finally:
+        runner.stop()
+
+
 def test_multi_turn_episodes_stream_turn_by_turn():
     """Each episode's next turn is submitted as its last one is played; streamed episodes are
     round-based ones wherever their seeds agree (turn t of episode e: the turn's seed + e;

@@ -51,7 +51,9 @@ from m2po_rllib.losses.correction import mismatch_metrics
 from m2po_rllib.resources import actors_placed
 from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
 from m2po_rllib.threads import use_cpus
-from m2po_rllib.wire.batch import learner_order, num_rows, row_ages, take_rows, to_train_batch, versions_spanned
+from m2po_rllib.wire.batch import (
+    learner_order, num_rows, row_ages, take_rows, to_train_batch, token_ages, versions_spanned,
+)
 
 quiet_gputil_hint_without_gpus()
 quiet_rllib_new_api_stack_notice()
@@ -258,8 +260,7 @@ class M2PO(Algorithm):
         age = row_ages(rollout, start)
         self.metrics.log_value(keys.STALENESS_MEAN, float(age.mean()), window=1)
         self.metrics.log_value(keys.STALENESS_MAX, float(age.max()), window=1)
-        token_age = (start - rollout["token_version"])[rollout["response_mask"] > 0]
-        self.metrics.log_value(keys.STALENESS_TOKEN_MEAN, float(token_age.mean()), window=1)
+        self.metrics.log_value(keys.STALENESS_TOKEN_MEAN, float(token_ages(rollout, start).mean()), window=1)
         if cfg.inflight_weight_updates:
             self.metrics.log_value(keys.VERSIONS_SPANNED_MAX, float(versions_spanned(rollout).max()), window=1)
         advantages = compute_advantages(

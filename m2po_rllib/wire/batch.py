@@ -141,10 +141,19 @@ def row_ages(batch, version):
     return version - batch["policy_version"]
 
 
+def token_ages(batch: dict[str, np.ndarray], version: int) -> np.ndarray:
+    """The trained (policy) tokens' ages when trained by weights of `version`, each from the
+    version that sampled it (flat, over `response_mask`)."""
+    return (version - batch["token_version"])[batch["response_mask"] > 0]
+
+
 def versions_spanned(batch: dict[str, np.ndarray]) -> np.ndarray:
     """(B,) how many policy versions each row's tokens were sampled by (1: no load mid-row)."""
-    versions = np.where(batch["response_mask"] + batch.get("env_mask", 0) > 0, batch["token_version"], -1)
-    return np.array([len(set(row[row >= 0].tolist())) or 1 for row in versions], dtype=np.int64)
+    real = batch["response_mask"] + batch.get("env_mask", 0) > 0
+    ordered = np.sort(np.where(real, batch["token_version"], -1), axis=1)  # -1: padding, first
+    new = ordered >= 0
+    new[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    return np.maximum(new.sum(axis=1), 1)
 
 
 def num_rows(batch: dict[str, np.ndarray]) -> int:

@@ -97,6 +97,8 @@ class M2PO(Algorithm):
         version = int(stats[keys.NATIVE_SYNC_VERSION])
         logger.info("native weight sync: group formed with %d runners (%s)", len(handles),
                     f"version {version} sent" if version >= 0 else "the first send failed")
+        if version < 0:  # a runner gone meanwhile: RLlib takes it out of service, restores it later
+            self.env_runner_group.foreach_env_runner(lambda runner: None, local_env_runner=False)
 
     def _log_native_sync(self, stats: dict | None) -> None:
         for key, value in (stats or {}).items():

@@ -9,6 +9,9 @@ main process, which outside Tune takes no Ray resources) and compares it with th
   once with a `ConfigError` showing the arithmetic and the fix;
 - a cluster this process joined may autoscale, and free resources may be held by other jobs:
   while the actors wait, `WaitingNotice` logs what they wait for every 30 s.
+Custom resources (`custom_resources_per_env_runner` / `_per_learner`, e.g. the runners pinned
+to the nodes that offer `{"rollout_node": 1}`) count like CPUs and GPUs.
+`placement(algo)` says afterwards on which node each actor landed.
 Inside a Tune trial the trial's placement group already holds the resources: no check.
 """
 
@@ -30,12 +33,14 @@ RESOURCES = ("CPU", "GPU")
 
 
 def requested(bundles: list[dict]) -> dict[str, float]:
-    """CPUs and GPUs the actors ask for: every bundle but the main process's (the first)."""
-    return {r: float(sum(b.get(r, 0) for b in bundles[1:])) for r in RESOURCES}
+    """CPUs, GPUs and custom resources the actors ask for: every bundle but the main
+    process's (the first)."""
+    names = [*RESOURCES, *sorted({r for b in bundles[1:] for r in b} - set(RESOURCES) - {"memory"})]
+    return {r: float(sum(b.get(r, 0) for b in bundles[1:])) for r in names}
 
 
 def shortfall(need: dict[str, float], have: dict[str, float]) -> dict[str, float]:
-    return {r: need[r] - have.get(r, 0.0) for r in RESOURCES if need[r] > have.get(r, 0.0) + 1e-9}
+    return {r: need[r] - have.get(r, 0.0) for r in need if need[r] > have.get(r, 0.0) + 1e-9}
 
 
 def _arithmetic(config, bundles: list[dict]) -> str:
@@ -48,7 +53,7 @@ def _arithmetic(config, bundles: list[dict]) -> str:
     parts = []
     for name, group in groups:
         if group:
-            each = " and ".join(f"{group[0].get(r, 0):g} {r}" for r in RESOURCES if group[0].get(r, 0))
+            each = " and ".join(f"{v:g} {r}" for r, v in group[0].items() if v and r != "memory")
             parts.append(f"{len(group)} {name} x {each or '0 CPU'}")
     return " + ".join(parts)
 
@@ -64,6 +69,17 @@ _FIXES = {
             "the GPUs it has missed (`ray.init(num_gpus=...)`)",
             ("num_gpus_per_env_runner", "num_gpus_per_learner", "num_env_runners", "num_learners")),
 }
+# A resource of the user's own naming: only a node started with it offers it.
+_CUSTOM_FIX = ("Start the nodes the actors should run on with it (`ray start --resources='{{\"{name}\": 2}}'`, or "
+               "`ray.init(resources=...)`), or drop it from `custom_resources_per_env_runner` / "
+               "`custom_resources_per_learner`",
+               ("custom_resources_per_env_runner", "custom_resources_per_learner"))
+
+
+def _fix(resource: str) -> tuple[str, tuple[str, ...]]:
+    if resource in _FIXES:
+        return _FIXES[resource]
+    return _CUSTOM_FIX[0].format(name=resource), _CUSTOM_FIX[1]
 
 
 def check_actors_fit(config, bundles: list[dict], *, cluster: dict[str, float], local: bool) -> None:
@@ -75,9 +91,9 @@ def check_actors_fit(config, bundles: list[dict], *, cluster: dict[str, float], 
         return
     what = ", ".join(f"{need[r]:g} {r}s" for r in missing)
     have = ", ".join(f"{cluster.get(r, 0.0):g} {r}s" for r in missing)
-    short = [r for r in ("GPU", "CPU") if r in missing]
-    fix = "; ".join(_FIXES[r][0] for r in short)
-    settings = tuple(dict.fromkeys(name for r in short for name in _FIXES[r][1]))
+    short = [r for r in ("GPU", "CPU") if r in missing] + [r for r in missing if r not in RESOURCES]
+    fix = "; ".join(_fix(r)[0] for r in short)
+    settings = tuple(dict.fromkeys(name for r in short for name in _fix(r)[1]))
     raise ConfigError(
         f"the algorithm's actors need {what} ({_arithmetic(config, bundles)}) and this local Ray cluster has "
         f"{have}: Ray would queue them forever. {fix}",
@@ -187,3 +203,57 @@ def actors_placed(config, bundles: list[dict]):
     check_actors_fit(config, bundles, cluster=ray.cluster_resources(), local=local)
     with WaitingNotice(need, ray.available_resources):
         yield
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def placement(algo) -> dict:
+    """On which Ray node each of the algorithm's processes runs now, as hex node ids:
+    {"driver": id, "env_runners": {worker index: id}, "learners": [id, ...]}. Remote actors
+    only (a local runner or learner runs in the driver); a runner that is down is absent."""
+    runners = algo.env_runner_group
+    out = {"driver": _node_id(), "env_runners": {}, "learners": []}
+    if runners is not None and runners.num_remote_env_runners():
+        pairs = runners.foreach_env_runner(lambda r: (r.worker_index, _node_id()), local_env_runner=False)
+        out["env_runners"] = {int(i): node for i, node in sorted(pairs)}
+    group = algo.learner_group
+    if group is not None and group.is_remote:
+        out["learners"] = [r.get() for r in group.foreach_learner(lambda learner: _node_id())]
+    return out
+
+
+def describe_placement(where: dict, nodes: dict[str, str]) -> str:
+    """`placement()` as one line: 'EnvRunners 1-2 on node 4b38589d (worker), Learners on
+    012f41e2 (head, this driver)'. `nodes`: node id -> a name ("head", "worker", an IP)."""
+    def name(node: str) -> str:
+        tag = nodes.get(node, "")
+        driver = ", this driver" if node == where["driver"] else ""
+        return f"{node[:8]}" + (f" ({tag}{driver})" if tag or driver else "")
+
+    parts = []
+    by_node: dict[str, list[int]] = {}
+    for index, node in where["env_runners"].items():
+        by_node.setdefault(node, []).append(index)
+    for node, indices in by_node.items():
+        parts.append(f"EnvRunner{'s' if len(indices) > 1 else ''} {','.join(map(str, indices))} on node {name(node)}")
+    for node in dict.fromkeys(where["learners"]):
+        n = where["learners"].count(node)
+        parts.append(f"{n} Learner{'s' if n > 1 else ''} on node {name(node)}")
+    if not where["learners"]:
+        parts.append(f"the Learner in this driver on node {name(where['driver'])}")
+    return "; ".join(parts)
+
+
+def node_names() -> dict[str, str]:
+    """Every alive Ray node's id -> "head" or its raylet's address (host:port)."""
+    import ray
+
+    return {
+        n["NodeID"]: "head" if "node:__internal_head__" in n.get("Resources", {})
+        else f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}"
+        for n in ray.nodes() if n.get("Alive")
+    }

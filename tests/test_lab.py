@@ -187,6 +187,7 @@ def test_a_bad_trial_fails_before_any_starts_naming_file_key_and_fix(tmp_path, t
         ({"collapse": {"limits": {"entropy": {"max": 3}}}}, "not a watched metric"),
         ({"base": "nope.yaml"}, "does not exist"),
         ({"grids": {}}, "unknown key(s) ['grids']"),
+        ({"max_failures": -1}, "`max_failures` (-1) must be an int >= 0"),
     ],
 )
 def test_malformed_space_is_a_clear_error(tmp_path, tiny_model_dir, space, needle):

@@ -142,6 +142,69 @@ def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_m
     assert time.monotonic() - t0 < 60 and ray.available_resources().get("CPU") == before
 
 
+def test_a_custom_resource_no_node_offers_is_refused_with_how_to_offer_it(tiny_model_dir):
+    """Runners pinned to nodes with `{"rollout_node": 1}` (a cluster's worker nodes) on a
+    local Ray without that resource would wait forever: refused, with the arithmetic and the
+    two fixes (start nodes that offer it, or drop it)."""
+    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.resources import check_actors_fit
+
+    config = _actor_config(tiny_model_dir, runners=2, runner_cpus=0.5, learners=0).env_runners(
+        custom_resources_per_env_runner={"rollout_node": 1})
+    bundles = M2PO.default_resource_request(config).bundles
+    with pytest.raises(ConfigError) as err:
+        check_actors_fit(config, bundles, cluster={"CPU": 4.0}, local=True)
+    message = str(err.value)
+    assert message.startswith("the algorithm's actors need 2 rollout_nodes (2 EnvRunner(s) x 0.5 CPU and 1 rollout_node) "
+                              "and this local Ray cluster has 0 rollout_nodes")
+    assert """ray start --resources='{"rollout_node": 2}'""" in message and "num_cpus" not in message
+    assert err.value.settings == ("custom_resources_per_env_runner", "custom_resources_per_learner")
+    # a node that offers two is enough
+    check_actors_fit(config, bundles, cluster={"CPU": 4.0, "rollout_node": 2.0}, local=True)
+
+
+def test_the_run_says_which_runners_are_down_every_period_and_when_they_are_back(tiny_model_dir):
+    from m2po_rllib.rollout.runners_down import RunnersDown
+
+    config = _actor_config(tiny_model_dir, runners=2, runner_cpus=1, learners=0).env_runners(
+        custom_resources_per_env_runner={"rollout_node": 1}, sample_timeout_s=120).training(async_rollouts=True)
+    now, lines = [0.0], []
+    down = RunnersDown(config, every_s=30, log=lines.append, clock=lambda: now[0])
+    down.observe([])  # all healthy: nothing said
+    for t, ids in [(0, [2]), (10, [1, 2]), (31, [1, 2]), (40, [1])]:
+        now[0] = t
+        down.observe(ids)
+    now[0] = 52.4
+    down.observe([])
+    assert lines == [
+        "EnvRunner(s) [2] down for 0 s (crashed, or their node left the cluster): Ray restarts each where 1 CPU, "
+        "1 rollout_node is free, the run going on with the others meanwhile; with none left, it fails once no "
+        "round has come for `sample_timeout_s` (120 s)",
+        "EnvRunner(s) [1, 2] down for 31 s (crashed, or their node left the cluster): Ray restarts each where 1 CPU, "
+        "1 rollout_node is free, the run going on with the others meanwhile; with none left, it fails once no "
+        "round has come for `sample_timeout_s` (120 s)",
+        "EnvRunner(s) [1] back after 52 s",
+    ]
+    # the synchronous protocol waits for the restore first
+    sync = RunnersDown(config.copy(copy_frozen=False).training(async_rollouts=False), log=lines.append)
+    sync.observe([1])
+    assert lines[-1].endswith("it fails after `env_runner_restore_timeout_s` + `sample_timeout_s` (1920 s) "
+                              "without samples")
+
+
+def test_placement_reads_as_one_line_per_node():
+    from m2po_rllib.resources import describe_placement
+
+    where = {"driver": "aaaa1111ffff", "env_runners": {1: "bbbb2222ffff", 2: "bbbb2222ffff", 3: "aaaa1111ffff"},
+             "learners": ["aaaa1111ffff", "aaaa1111ffff"]}
+    names = {"aaaa1111ffff": "head", "bbbb2222ffff": "127.0.0.1:4321"}
+    assert describe_placement(where, names) == (
+        "EnvRunners 1,2 on node bbbb2222 (127.0.0.1:4321); EnvRunner 3 on node aaaa1111 (head, this driver); "
+        "2 Learners on node aaaa1111 (head, this driver)")
+    assert describe_placement({"driver": "aaaa1111ffff", "env_runners": {}, "learners": []}, names) == (
+        "the Learner in this driver on node aaaa1111 (head, this driver)")
+
+
 # -- GPUs: requests this machine (or its local Ray) cannot serve ---------------------------------
 def test_a_gpu_shortage_names_the_gpu_settings_not_the_cpu_ones(tiny_model_dir):
     from m2po_rllib.errors import ConfigError

@@ -262,3 +262,22 @@ def test_a_sharded_sender_whose_broadcast_fails_still_joins_every_gather(tied_mo
     names = [m.name for m in delta.source.metadata()]
     assert names == ["model.norm.weight"] and len(gathered) == len(tied_model.state_dict())  # pass 1: all compared
     assert [n for n, _ in delta.source] == names
+
+
+def test_a_runner_gone_while_the_group_forms_fails_the_connect_not_the_run(tied_model):
+    """A runner that died (or whose node was lost) after the driver named it: the connect is
+    counted as a failure and the weights go through the object store until the group is
+    formed again; a runner serving another model still raises (previous test)."""
+    from ray.exceptions import ActorDiedError
+
+    from m2po_rllib.sync.learner_sync import LearnerWeightSync
+
+    class Gone:
+        def m2po_weight_layout(self):
+            raise ActorDiedError()
+
+    sync = LearnerWeightSync(backend="gloo", dtype=torch.float32, state_fn=tied_model.state_dict)
+    assert sync.connect([Gone()], [1], version=3) is None
+    assert not sync.connected and sync.send(4) is None
+    assert sync.metrics(None) == {"weights/native_failures": 1, "weights/native_connects": 0,
+                                  "weights/native_version": -1}

@@ -12,6 +12,7 @@ search-space file (tune/spaces/*.yaml), with every trial validated before any st
     scheduler: {type: asha, metric: heldout_accuracy, mode: max, time_attr: policy_version, grace_period: 100}
     collapse: {accuracy_drop: 0.5, grace: 20, limits: {m2_before: {max: 1.0}}}   # CollapseStopper
     max_concurrent: null                    # null: floor(cluster CPUs / CPUs per trial) (and GPUs)
+    max_failures: 2                         # a failed trial (e.g. its node lost) is retried from its last checkpoint
 
 Trials are `M2PO` trainables: `M2PO.default_resource_request` gives each trial a placement
 group holding its main process, EnvRunners and Learners (`resources.num_cpus_for_main_process`,
@@ -36,7 +37,8 @@ from m2po_rllib import keys
 from m2po_rllib.keys import HELDOUT_ACCURACY
 from m2po_rllib.errors import ConfigError
 
-SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent"}
+SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent", "max_failures"}
+DEFAULT_MAX_FAILURES = 2  # retries of a failed trial, each from its last checkpoint (Tune's FailureConfig)
 SCHEDULERS = ("fifo", "asha")
 LAB_FILE = "lab.json"  # the expanded space, written into the experiment directory
 TRIAL_CHECKPOINT_EVERY = 25  # iterations between a trial's checkpoints (what a continued lab redoes at most)
@@ -62,6 +64,7 @@ class LabSpace:
     collapse: dict[str, Any]
     max_concurrent: int | None
     base_spec: dict = field(repr=False, default_factory=dict)
+    max_failures: int = DEFAULT_MAX_FAILURES
 
 
 def _fail(path, msg: str):
@@ -164,7 +167,12 @@ def load_space(path: str | Path, overrides: list[str] | None = None, stop_overri
     max_concurrent = space.get("max_concurrent")
     if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
         _fail(path, f"`max_concurrent` ({max_concurrent!r}) must be a positive int or null (fit the cluster)")
-    return LabSpace(path, space.get("name") or path.stem, trials, stop, scheduler, collapse, max_concurrent, base_spec)
+    max_failures = space.get("max_failures", DEFAULT_MAX_FAILURES)
+    if not isinstance(max_failures, int) or isinstance(max_failures, bool) or max_failures < 0:
+        _fail(path, f"`max_failures` ({max_failures!r}) must be an int >= 0: how often a failed trial is retried "
+                    "from its last checkpoint (0: never)")
+    return LabSpace(path, space.get("name") or path.stem, trials, stop, scheduler, collapse, max_concurrent, base_spec,
+                    max_failures)
 
 
 def trial_resources(config) -> dict[str, float]:
@@ -314,6 +322,9 @@ def run_lab(
             checkpoint_config=tune.CheckpointConfig(
                 checkpoint_frequency=TRIAL_CHECKPOINT_EVERY, num_to_keep=1, checkpoint_at_end=False
             ),
+            # a trial that fails (its node lost, a runner's engine dead past restore) starts
+            # again from that checkpoint, at most max_failures times
+            failure_config=tune.FailureConfig(max_failures=space.max_failures),
         ),
     )
     return _finish(tuner.fit(), out_dir, report=report)

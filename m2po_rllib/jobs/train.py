@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import shutil
 import sys
@@ -16,12 +17,12 @@ from m2po_rllib import durable, keys
 from m2po_rllib.jobs import run_dir as runs
 from m2po_rllib.jobs.ctrl_c import CtrlC
 from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
-from m2po_rllib.resources import check_local_learner_gpus
+from m2po_rllib.resources import check_local_learner_gpus, describe_placement, node_names, placement
 from m2po_rllib.jobs.history import history_record, tensorboard_scalars
 from m2po_rllib.errors import ConfigError
 
 EVAL_ACC = keys.EVAL_ACCURACY_PATH
-
+logger = logging.getLogger(__name__)
 
 
 def _get(result: dict, path: tuple, default=None):
@@ -119,6 +120,9 @@ def _print_header(algo, run_dir: Path, run: dict) -> None:
         f"{cfg.resolved_rollout_engine()} | model {cfg.model_config.get('model')}",
         flush=True,
     )
+    nodes = node_names()
+    if len(nodes) > 1:  # a cluster: where the actors landed
+        print(f"  nodes: {describe_placement(placement(algo), nodes)}", flush=True)
 
 
 def _train(algo, run_dir: Path, run: dict, ctrl_c: CtrlC, *, progress: bool, resumed) -> int:
@@ -234,11 +238,22 @@ def _summary_fields(algo, history: list[dict], seconds: float, run_dir: Path, *,
         "final_train_reward": next((h["reward"] for h in reversed(history) if h["reward"] is not None), None),
         "run_dir": str(run_dir),
         "interrupted": interrupted,
+        "placement": _placement(algo),
     }
     tok = [h.get("tokens_per_s") for h in history if h.get("tokens_per_s")]
     if tok:
         fields["rollout_tokens_per_s"] = sum(tok) / len(tok)
     return fields
+
+
+def _placement(algo) -> dict | None:
+    """Where the actors run now (resources.placement); None if a runner fails while asked:
+    the record is written regardless."""
+    try:
+        return placement(algo)
+    except Exception as e:
+        logger.debug("placement not recorded: %s", e)
+        return None
 
 
 def _final_heldout(cfg, run_dir: Path, history: list[dict], summary: dict) -> float | None:

@@ -44,6 +44,7 @@ from m2po_rllib import keys
 from m2po_rllib.rollout.admission import AsyncRollouts
 from m2po_rllib.rollout.env_runner import sample_and_metrics, stream_and_metrics
 from m2po_rllib.rollout.rounds import round_seed
+from m2po_rllib.rollout.runners_down import RunnersDown
 from m2po_rllib.rollout.staleness import StalenessController
 from m2po_rllib.rollout.streaming import WAIT_S
 from m2po_rllib.wire.batch import concat_rollouts
@@ -102,6 +103,7 @@ class RolloutSampler:
         self.queue: collections.deque[Rollout] = collections.deque()
         self.steps_sampled = 0  # sync: steps whose rounds were sampled
         self._base_version = start_version  # the learner's version before step 0
+        self.down = RunnersDown(config)  # while runners are down: what the run waits for
 
     # -- both modes ----------------------------------------------------------------------
     @property
@@ -195,7 +197,7 @@ class RolloutSampler:
                 )
             # A failed runner (e.g. a dead vLLM engine) is restarted by Ray; bring it back and
             # sample this round again (requests carry the current weights).
-            logger.warning("no EnvRunner returned samples; restoring failed runners and retrying")
+            self.down.observe(sorted(set(range(1, self.rounds_per_step + 1)) - set(self.runners.healthy_env_runner_ids())))
             time.sleep(RETRY_S)
             self._restore()
         if len(out) != self.rounds_per_step:
@@ -303,6 +305,8 @@ class RolloutSampler:
             logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
         if len(healthy) < self.runners.num_remote_env_runners():
             self._restore()
+            healthy = set(self.runners.healthy_env_runner_ids())
+        self.down.observe(sorted(set(range(1, self.runners.num_remote_env_runners() + 1)) - healthy))
         # a streaming call that brought nothing is no progress (the wait for the rounds is)
         return bool(filed or lost or (ready and not self.streaming)), metrics, busy
 

@@ -2,7 +2,8 @@
 
 - transports.py: the runners' side (`ObjectStoreTransport`, `NativeTransport`), what both
   sides exchange (`BroadcastWeights`) and check (`weight_layout`, `check_weight_layout`);
-- sender.py: the learners' side of the native path (`NativeWeightSender`, `LearnerWeightSync`);
+- sender.py: the learners' side of the native path (`NativeWeightSender`), and
+  learner_sync.py what a learner keeps of it (`LearnerWeightSync`: connect, send, reconnect);
 - gloo.py: vLLM's weight-transfer API over gloo (backend "m2po_gloo");
 - vllm_worker.py: the code vLLM's worker processes run (the object-store path's extension).
 

@@ -8,8 +8,8 @@ transports.py is the runners' side).
   engines, `EngineTarget`): each runner's vLLM workers take ranks 1.. of the group.
 - `NativeWeightSender`: rank 0 opens the group (after checking every runner's parameter
   layout) and broadcasts a version; other sharded ranks only join the gathers.
-- `LearnerWeightSync`: what the learner keeps: a sender, connected to the runners the
-  driver names, sending after the updates whose weights go out.
+(`learner_sync.LearnerWeightSync` is what a learner keeps: a sender, connected again when
+runners come and go.)
 """
 
 from __future__ import annotations
@@ -327,73 +327,3 @@ class NativeWeightSender:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
-
-
-class LearnerWeightSync:
-    """A learner's native weight sync (`weight_sync="native"`): a `NativeWeightSender` formed
-    with the runners the driver names (`connect`, which sends the current weights at once,
-    so a runner that joined or restarted serves them), sending after each update whose
-    weights go out (`send`). A failed send is not fatal: it is logged and counted, the group
-    is closed, and the learner publishes that version through the object store while the
-    driver forms the group again. The address is this learner's node and a free port, new
-    for every group."""
-
-    def __init__(self, *, backend: str, dtype: torch.dtype, state_fn, rank: int = 0, bucket_bytes: int | None = None,
-                 only_changed: bool = False, timeout_s: float | None = None, materialize=None, agree=None):
-        self.backend, self.rank = backend, rank
-        self._sender_kwargs = dict(
-            backend=backend, bucket_bytes=bucket_bytes, only_changed=only_changed, rank=rank,
-            timeout_s=timeout_s if backend == "gloo" else None, materialize=materialize, agree=agree,
-        )
-        self._state_fn, self._dtype = state_fn, dtype
-        self.sender: NativeWeightSender | None = None
-        self.connects = 0
-        self.failures = 0
-
-    @property
-    def connected(self) -> bool:
-        return self.sender is not None and self.sender.connected
-
-    def connect(self, targets: Sequence, workers_per_target: Sequence[int], version: int) -> dict[str, float] | None:
-        """Forms a new group with `targets` (EnvRunner actors; rank 0 only, other ranks pass
-        none) and sends the weights as `version`."""
-        from m2po_rllib.net import free_port, node_address
-
-        self.close()
-        client = RunnerGroupClient(targets, workers_per_target) if self.rank == 0 else None
-        address = node_address()
-        self.sender = NativeWeightSender(
-            client, self._state_fn, self._dtype, master_address=address,
-            master_port=free_port("0.0.0.0" if address != "127.0.0.1" else address), **self._sender_kwargs,
-        )
-        self.sender.connect()
-        self.connects += 1
-        return self.send(version)
-
-    def send(self, version: int) -> dict[str, float] | None:
-        """Broadcasts `version`; None if the send failed (the group is closed then)."""
-        try:
-            return self.sender.send(version)
-        except Exception:
-            self.failures += 1
-            logger.exception(
-                "native weight sync of version %d failed; it goes through the object store, and the "
-                "group is formed again", version,
-            )
-            return None
-
-    def metrics(self, stats: dict[str, float] | None) -> dict[str, float]:
-        """The metrics of a send that returned `stats` (None: it failed), by `keys` name."""
-        from m2po_rllib import keys
-
-        out = {keys.NATIVE_SYNC_FAILURES: self.failures, keys.NATIVE_SYNC_CONNECTS: self.connects,
-               keys.NATIVE_SYNC_VERSION: -1 if stats is None else stats["version"]}
-        if stats is not None:
-            out.update({keys.NATIVE_SYNC_S: stats["seconds"], keys.NATIVE_SYNC_BYTES: stats["bytes"],
-                        keys.NATIVE_SYNC_TENSORS: stats["tensors"]})
-        return out
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None

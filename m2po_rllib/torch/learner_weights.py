@@ -44,7 +44,7 @@ class LearnerWeights:
         learner; with sharded weights every learner calls this, the others only gather) and
         sends the current weights. Returns the sync's metrics on the first learner
         (`LearnerWeightSync.metrics`; None on the others)."""
-        from m2po_rllib.sync.sender import LearnerWeightSync
+        from m2po_rllib.sync.learner_sync import LearnerWeightSync
 
         cfg = self.config
         if self._weight_sync is None:

@@ -188,6 +188,7 @@ def test_a_bad_trial_fails_before_any_starts_naming_file_key_and_fix(tmp_path, t
         ({"base": "nope.yaml"}, "does not exist"),
         ({"grids": {}}, "unknown key(s) ['grids']"),
         ({"max_failures": -1}, "`max_failures` (-1) must be an int >= 0"),
+        ({"checkpoint_every": 0}, "`checkpoint_every` (0) must be an int >= 1"),
     ],
 )
 def test_malformed_space_is_a_clear_error(tmp_path, tiny_model_dir, space, needle):

@@ -1,23 +1,24 @@
 """Two Ray nodes on this machine (jobs/local_cluster.py): a head with the learner's custom
 resource and a worker node with the runners', each a `ray start --block` of its own (own
-raylet, object store, CPUs, ports and temp dir), as on two machines. `ray job submit` of
-`m2po train` to the head, its runner on the worker node; async M2PO across the node boundary
-with the worker node lost mid-run and replaced.
+raylet, object store, CPUs, ports, temp dir and loopback IP), as on two machines:
+- `ray job submit` of `m2po train` to the head, its runner on the worker node;
+- `m2po lab` with a trial on each node, the worker node lost: its trial retried from its
+  checkpoint;
+- async M2PO across the node boundary, the worker node lost mid-run and replaced.
 
-Each run is a driver process of its own (a submitted job; tests/_two_node_driver.py) joining
-the cluster: the test session's own Ray stays as it is. Every node is ended by its own PIDs
-(`ray stop` is never used: it kills every Ray on the machine).
+Each run is a driver process of its own (a submitted job, `m2po lab`, bench/two_node_driver.py)
+joining the cluster: the test session's own Ray stays as it is. Every node is ended by its own
+PIDs (`ray stop` is never used: it kills every Ray on the machine).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import queue
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,10 +28,18 @@ from m2po_rllib.jobs.local_cluster import FAST_NODE_DEATH, LocalCluster
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "bench" / "two_node_driver.py"
+
+
+def _driver_module():
+    """bench/two_node_driver.py, whose `DriverProcess` runs it (the bench and this test share it)."""
+    spec = importlib.util.spec_from_file_location("two_node_driver", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 WORKER = dict(num_cpus=2, resources={"rollout_node": 2})
-EVENT_TIMEOUT_S = 240
+EVENT_TIMEOUT_S = 240  # the lab's wait for its worker-node trial's checkpoint, and its end
 JOB_TIMEOUT_S = 420
 
 
@@ -44,48 +53,6 @@ def two_nodes():
     finally:
         survivors = cluster.stop()
         assert not survivors, f"processes of the test's Ray nodes survived their stop: {survivors}"
-
-
-class Driver:
-    """tests/_two_node_driver.py in a process of its own; `event(name)` waits for its line."""
-
-    def __init__(self, args: dict, log_path: Path):
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "_two_node_driver.py"), json.dumps(args)],
-            stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
-        )
-        self._events: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                self._events.put(json.loads(line[3:]))
-        self._events.put({"event": "exit"})
-
-    def event(self, name: str, timeout_s: float = EVENT_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                event = self._events.get(timeout=1)
-            except queue.Empty:
-                continue
-            if event["event"] == name:
-                return event
-            if event["event"] == "exit":
-                break
-        self.proc.kill()
-        pytest.fail(f"the driver did not say {name!r} (exit code {self.proc.poll()}); its log:\n"
-                    f"{self.log_path.read_text(errors='replace')[-6000:]}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self._log.close()
 
 
 def _tiny_job_args(model_dir: str, output: Path) -> list[str]:
@@ -150,51 +117,103 @@ def test_a_train_job_submitted_to_the_head_runs_across_both_nodes(two_nodes, tin
     assert f"nodes: EnvRunner 1 on node {worker[:8]}" in logs and f"on node {head[:8]} (head" in logs
 
 
-def _wait_dead(node, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while node.node_id() is not None:
-        assert time.monotonic() < deadline, "the killed node was not marked dead"
-        time.sleep(0.2)
+LAB_BASE = {
+    "environment": {"env": "m2po/Arithmetic-v0", "env_config": {"digits": 2}},
+    "env_runners": {"num_env_runners": 0, "rollout_engine": "hf", "max_new_tokens": 4},
+    "resources": {"num_cpus_for_main_process": 2},  # a trial fills a node: one per node
+    "training": {"group_size": 4, "prompts_per_step": 4, "minibatch_prompts": 2, "staleness": 2},
+    "evaluation": {"evaluation_interval": 0},
+}
 
 
-def test_a_worker_node_lost_mid_run_loses_no_sample_and_its_runner_resumes_on_a_new_node(
+def _results(trial_dir: Path) -> list[dict]:
+    path = trial_dir / "result.json"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_a_lab_runs_trials_on_both_nodes_and_retries_the_lost_nodes_trial_from_its_checkpoint(
         two_nodes, tiny_model_dir, tmp_path):
-    """A vLLM runner on the worker node, a remote learner on the head, the weights broadcast
-    natively (gloo) across the node boundary. The worker node's raylet is killed with rounds
-    in flight (the runner and its engine die with it) and a new worker node joins: Ray
-    restarts the runner there, the learner forms the group again with it and sends the
-    current weights, the lost rounds are generated again, and every sample id is trained
-    exactly once, within the bound."""
+    """`m2po lab` on the two-node cluster: two trials of 2 CPUs, one per node (Tune's `node_ip`
+    tells them apart). Once the worker node's trial has a checkpoint, the node is killed and a
+    new one started: Tune retries that trial from its checkpoint (`max_failures`), and the lab
+    ends with both trials done."""
+    import yaml
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(
+        {**LAB_BASE, "rl_module": {"model_config": {"model": tiny_model_dir}}}))
+    every = 4
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({
+        "name": "two-nodes", "base": "base.yaml", "grid": {"debugging.seed": [0, 1]},
+        "stop": {"policy_version": 60}, "checkpoint_every": every, "max_failures": 2}))
+    out = tmp_path / "lab"
+    worker = two_nodes.workers[0]
+    env = dict(os.environ, RAY_ADDRESS=two_nodes.address)
+    log = tmp_path / "lab.log"
+    with open(log, "wb") as f:
+        lab = subprocess.Popen([sys.executable, "-m", "m2po_rllib.jobs.cli", "lab", "--space", str(tmp_path / "space.yaml"),
+                                "--out", str(out), "--no-report"], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        lost = None
+        while lost is None and lab.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for trial in out.glob("0*"):
+                rows = _results(trial)
+                if rows and rows[-1]["node_ip"] == worker.ip and any(trial.glob("checkpoint_*")):
+                    lost = trial.name
+                    break
+        assert lost, f"no trial checkpointed on the worker node; the lab's log:\n{log.read_text()[-4000:]}"
+        assert not two_nodes.lose_worker(worker)
+        new = two_nodes.add_worker(**WORKER)
+        lab.wait(timeout=EVENT_TIMEOUT_S)
+    finally:
+        if lab.poll() is None:
+            lab.kill()
+    assert lab.returncode == 0, log.read_text()[-4000:]
+    trials = {t.name: _results(t) for t in out.glob("0*")}
+    assert len(trials) == 2
+    for rows in trials.values():
+        assert rows[-1]["policy_version"] >= 60  # both trials ran to their stop
+    (kept,) = [rows for name, rows in trials.items() if name != lost]
+    assert {r["node_ip"] for r in kept} == {kept[0]["node_ip"]} != {worker.ip}  # the head's, throughout
+    rows = trials[lost]
+    retried = [r for r in rows if r["iterations_since_restore"] < r["training_iteration"]]
+    assert rows[0]["node_ip"] == worker.ip and retried and retried[0]["node_ip"] in (new.ip, kept[0]["node_ip"])
+    # it went on from a checkpoint, not from the start: the first iteration after the retry
+    # follows a checkpointed one
+    resumed_from = retried[0]["training_iteration"] - retried[0]["iterations_since_restore"]
+    assert resumed_from > 0 and resumed_from % every == 0
+
+
+def test_a_worker_node_lost_mid_run_loses_no_sample_and_its_runners_resume_on_a_new_node(
+        two_nodes, tiny_model_dir, tmp_path):
+    """Two HF runners on the worker node, a remote learner on the head. The worker node's
+    raylet is killed with rounds in flight (its runners die with it) and a new worker node
+    joins: Ray restarts the runners there, they get the current weights, the lost rounds are
+    generated again, and every sample id is trained exactly once, within the bound. (The same
+    with a vLLM runner and native broadcasts across the nodes: bench/bench_two_nodes.py.)"""
     head, worker = two_nodes.head.node_id(), two_nodes.workers[0].node_id()
     bound = 3
-    driver = Driver(dict(address=two_nodes.address, model=tiny_model_dir, engine="vllm", runners=1, learners=1,
-                         max_staleness=bound, before=3, after=3, deadline_s=180), tmp_path / "driver.log")
+    driver = _driver_module().DriverProcess(dict(address=two_nodes.address, model=tiny_model_dir, engine="hf", runners=2, learners=1,
+                         max_staleness=bound, before=3, after=4, deadline_s=180), tmp_path / "driver.log")
     try:
         placed = driver.event("placed")
-        assert placed["env_runners"] == {"1": worker}  # the runner's resource is the worker node's
+        assert placed["env_runners"] == {"1": worker, "2": worker}  # the runners' resource is the worker's
         assert placed["learners"] == [head] and placed["driver"] == head
         driver.event("lose-node")
-        lost = two_nodes.workers[0]
-        lost.kill_raylet()
-        _wait_dead(lost)
-        assert not two_nodes.remove_worker(lost)  # nothing of the lost node lives on
+        assert not two_nodes.lose_worker(two_nodes.workers[0])  # nothing of the lost node lives on
         new = two_nodes.add_worker(**WORKER).node_id()
         done = driver.event("done")
     finally:
         driver.close()
-    assert done["back_at"] is not None and done["restarts"] >= 1
-    assert done["placement"]["env_runners"] == {"1": new} and done["placement"]["learners"] == [head]
+    assert done["back_at"] is not None and done["restarts"] >= 2
+    assert done["placement"]["env_runners"] == {"1": new, "2": new} and done["placement"]["learners"] == [head]
     ids = [i for step in done["trained"] for i in step["ids"]]
     assert sorted(ids) == list(range(len(ids)))  # none lost with the node, none trained twice
     assert max(done["ages"]) <= bound
-    # native broadcasts crossed the node boundary before the loss, and a second group was
-    # formed with the new runner, whose sends all went through
-    native = [n for n in done["native"] if n["weights/native_connects"] == n["weights/native_connects"]]  # not NaN
-    assert native[0] == {"weights/native_connects": 1, "weights/native_failures": 0}
-    second = [n["weights/native_failures"] for n in native if n["weights/native_connects"] == 2]
-    assert native[-1]["weights/native_connects"] == 2 and len(second) >= 2 and len(set(second)) == 1
-    # the new runner was given the current weights (it starts from the model's own)
+    # the new runners were given the current weights (they start from the model's own)
     assert min(done["served"]) > done["lost_at"]
-    # the wait was said, with what the runner needs to come back
+    # the wait was said, with what the runners need to come back
     assert any("down for" in n and "1 rollout_node" in n for n in done["notices"]), done["notices"]
     assert any("back after" in n for n in done["notices"])

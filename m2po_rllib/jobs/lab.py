@@ -13,6 +13,7 @@ search-space file (tune/spaces/*.yaml), with every trial validated before any st
     collapse: {accuracy_drop: 0.5, grace: 20, limits: {m2_before: {max: 1.0}}}   # CollapseStopper
     max_concurrent: null                    # null: floor(cluster CPUs / CPUs per trial) (and GPUs)
     max_failures: 2                         # a failed trial (e.g. its node lost) is retried from its last checkpoint
+    checkpoint_every: 25                    # iterations between a trial's checkpoints (what a retry redoes at most)
 
 Trials are `M2PO` trainables: `M2PO.default_resource_request` gives each trial a placement
 group holding its main process, EnvRunners and Learners (`resources.num_cpus_for_main_process`,
@@ -37,11 +38,12 @@ from m2po_rllib import keys
 from m2po_rllib.keys import HELDOUT_ACCURACY
 from m2po_rllib.errors import ConfigError
 
-SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent", "max_failures"}
+SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent", "max_failures",
+              "checkpoint_every"}
 DEFAULT_MAX_FAILURES = 2  # retries of a failed trial, each from its last checkpoint (Tune's FailureConfig)
 SCHEDULERS = ("fifo", "asha")
 LAB_FILE = "lab.json"  # the expanded space, written into the experiment directory
-TRIAL_CHECKPOINT_EVERY = 25  # iterations between a trial's checkpoints (what a continued lab redoes at most)
+TRIAL_CHECKPOINT_EVERY = 25  # default iterations between a trial's checkpoints (what a continued lab redoes at most)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class LabSpace:
     max_concurrent: int | None
     base_spec: dict = field(repr=False, default_factory=dict)
     max_failures: int = DEFAULT_MAX_FAILURES
+    checkpoint_every: int = TRIAL_CHECKPOINT_EVERY
 
 
 def _fail(path, msg: str):
@@ -171,8 +174,12 @@ def load_space(path: str | Path, overrides: list[str] | None = None, stop_overri
     if not isinstance(max_failures, int) or isinstance(max_failures, bool) or max_failures < 0:
         _fail(path, f"`max_failures` ({max_failures!r}) must be an int >= 0: how often a failed trial is retried "
                     "from its last checkpoint (0: never)")
+    checkpoint_every = space.get("checkpoint_every", TRIAL_CHECKPOINT_EVERY)
+    if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+        _fail(path, f"`checkpoint_every` ({checkpoint_every!r}) must be an int >= 1: iterations between a trial's "
+                    "checkpoints")
     return LabSpace(path, space.get("name") or path.stem, trials, stop, scheduler, collapse, max_concurrent, base_spec,
-                    max_failures)
+                    max_failures, checkpoint_every)
 
 
 def trial_resources(config) -> dict[str, float]:
@@ -317,10 +324,10 @@ def run_lab(
             callbacks=[collapse.recorder()],
             progress_reporter=reporter,
             verbose=verbose,
-            # a trial's checkpoint (weights, optimizer, the stale queue) every TRIAL_CHECKPOINT_EVERY
+            # a trial's checkpoint (weights, optimizer, the stale queue) every `checkpoint_every`
             # iterations: an interrupted lab continues each unfinished trial from its last one
             checkpoint_config=tune.CheckpointConfig(
-                checkpoint_frequency=TRIAL_CHECKPOINT_EVERY, num_to_keep=1, checkpoint_at_end=False
+                checkpoint_frequency=space.checkpoint_every, num_to_keep=1, checkpoint_at_end=False
             ),
             # a trial that fails (its node lost, a runner's engine dead past restore) starts
             # again from that checkpoint, at most max_failures times

@@ -74,10 +74,11 @@ class LocalNode:
 
     def __init__(self, temp_dir: str, base_port: int, *, head_gcs: str | None = None, num_cpus: int = 2,
                  resources: dict[str, float] | None = None, object_store_mb: int = 256,
-                 system_config: dict | None = None):
+                 system_config: dict | None = None, ip: str = "127.0.0.1"):
         if system_config and head_gcs is not None:
             raise ValueError("system_config is the cluster's: give it to the head")
         self.system_config = dict(system_config or {})
+        self.ip = ip  # a loopback address; Ray shows 127.0.0.1 as the machine's own IP
         self.temp_dir, self.head_gcs = temp_dir, head_gcs
         self.num_cpus, self.resources, self.object_store_mb = num_cpus, dict(resources or {}), object_store_mb
         ports = {
@@ -116,7 +117,7 @@ class LocalNode:
         role = ["--head", "--dashboard-host=127.0.0.1"] if self.is_head else [f"--address={self.head_gcs}"]
         return [
             str(Path(sys.executable).with_name("ray")), "start", "--block", *role,
-            "--node-ip-address=127.0.0.1",  # Ray maps loopback to the node's own IP
+            f"--node-ip-address={self.ip}",
             f"--temp-dir={self.temp_dir}",
             f"--num-cpus={self.num_cpus}",
             f"--resources={json.dumps(self.resources)}",
@@ -208,6 +209,14 @@ class LocalNode:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def wait_dead(self, timeout_s: float = 60.0) -> None:
+        """Returns once the GCS no longer counts this node alive (after `kill_raylet`)."""
+        deadline = time.monotonic() + timeout_s
+        while self.node_id() is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the node in {self.temp_dir} is still alive after {timeout_s:g} s")
+            time.sleep(0.2)
+
     def stop(self) -> list[str]:
         """Stops this node; returns the processes of it still alive afterwards (none expected)."""
         import psutil
@@ -260,11 +269,15 @@ class LocalCluster:
                                system_config=system_config)
 
     def _node(self, head_gcs: str | None = None, **kwargs) -> LocalNode:
-        """The next node, in `<root>/n<i>` with a port block of its own."""
-        temp_dir = os.path.join(self.root, f"n{len(self._bases)}")
+        """The next node, in `<root>/n<i>` with a port block of its own and, for a worker, an IP
+        of its own (127.0.0.<i+1>: Ray, Tune's `node_ip` and the logs tell the nodes apart, as
+        on separate machines; Linux routes all of 127.0.0.0/8 to loopback)."""
+        i = len(self._bases)
+        temp_dir = os.path.join(self.root, f"n{i}")
         os.makedirs(temp_dir, exist_ok=True)
         self._bases.append(free_port_block(avoid=tuple(self._bases)))
-        return LocalNode(temp_dir, self._bases[-1], head_gcs=head_gcs, **kwargs)
+        ip = "127.0.0.1" if head_gcs is None else f"127.0.0.{i + 1}"
+        return LocalNode(temp_dir, self._bases[-1], head_gcs=head_gcs, ip=ip, **kwargs)
 
     def nodes(self) -> list[LocalNode]:
         return [self.head, *self.workers]
@@ -295,6 +308,13 @@ class LocalCluster:
         """Stops a worker node (after a `kill_raylet()`, the rest of it); returns survivors."""
         self.workers.remove(node)
         return node.stop()
+
+    def lose_worker(self, node: LocalNode) -> list[str]:
+        """A worker node lost the hard way: its raylet SIGKILLed (its actors die with it), then,
+        once the GCS has marked it dead, whatever of it is left stopped. Returns survivors."""
+        node.kill_raylet()
+        node.wait_dead()
+        return self.remove_worker(node)
 
     def stop(self) -> list[str]:
         """Stops every node, workers first; returns the processes of them still alive."""

@@ -1,22 +1,32 @@
-"""The driver of tests/test_two_nodes.py's lost-node case, in a process of its own (the test
-session's own Ray stays as it is). Joins the two-node cluster at `address`, builds async M2PO
-with its EnvRunners pinned to the worker node (the custom resource `rollout_node`) and its
-learner on the head (`learner_node`), and trains. After `before` iterations it says
-"lose-node" (the test then kills the worker node's raylet and starts a new worker node) and
+"""The driver of the lost-node case, in a process of its own (the caller's own Ray, if any,
+stays as it is): tests/test_two_nodes.py runs it with HF runners, bench_two_nodes.py with a
+vLLM runner and native weight sync. Joins the two-node cluster at `address`, builds async
+M2PO with its EnvRunners pinned to the worker node (the custom resource `rollout_node`) and
+its learner on the head (`learner_node`), and trains. After `before` iterations it says
+"lose-node" (the caller then kills the worker node's raylet and starts a new worker node) and
 trains on until every runner is back and `after` more iterations are trained, then says
-"done" with its record. Lines for the test start with "@@ " and hold one JSON object.
+"done" with its record (and the seconds from the loss to the runners back, and to the native
+group formed again). Lines for the caller start with "@@ " and hold one JSON object.
 
-    python tests/_two_node_driver.py '{"address": ..., "model": ..., "engine": "vllm", ...}'
+    python bench/two_node_driver.py '{"address": ..., "model": ..., "engine": "vllm", ...}'
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+EVENT_TIMEOUT_S = 240
 
 
 def say(event: str, **fields) -> None:
@@ -91,22 +101,66 @@ def main(args: dict) -> None:
         train()
     lost_at = algo.policy_version
     say("lose-node", version=lost_at)
-    deadline = time.monotonic() + args["deadline_s"]
-    back_at = None
+    t_lost = time.monotonic()
+    deadline = t_lost + args["deadline_s"]
+    back_at = back_s = regrouped_s = None
     while time.monotonic() < deadline:
         result = train()
         back = (result["fault_tolerance"]["num_remote_worker_restarts"] >= args["runners"]
                 and len(algo.env_runner_group.healthy_env_runner_ids()) == args["runners"])
         if back and back_at is None:
-            back_at = algo.iteration
+            back_at, back_s = algo.iteration, time.monotonic() - t_lost
+        if regrouped_s is None and (native[-1][keys.NATIVE_SYNC_CONNECTS] or 0) >= 2:
+            regrouped_s = time.monotonic() - t_lost
         if back_at is not None and algo.iteration >= back_at + args["after"]:
             break
     served = algo.env_runner_group.foreach_env_runner(lambda r: r.host.served_version, local_env_runner=False)
-    say("done", lost_at=lost_at, back_at=back_at, version=algo.policy_version, iteration=algo.iteration,
+    say("done", lost_at=lost_at, back_at=back_at, back_s=back_s, regrouped_s=regrouped_s, version=algo.policy_version, iteration=algo.iteration,
         trained=trained, ages=ages, native=native, served=served, notices=notices, placement=placement(algo),
         restarts=result["fault_tolerance"]["num_remote_worker_restarts"])
     algo.stop()
     ray.shutdown()
+
+
+class DriverProcess:
+    """This script in a process of its own (its stderr in `log_path`); `event(name)` waits for
+    its line and returns it."""
+
+    def __init__(self, args: dict, log_path: Path):
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env, text=True)
+        self._events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                self._events.put(json.loads(line[3:]))
+        self._events.put({"event": "exit"})
+
+    def event(self, name: str, timeout_s: float = EVENT_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                event = self._events.get(timeout=1)
+            except queue.Empty:
+                continue
+            if event["event"] == name:
+                return event
+            if event["event"] == "exit":
+                break
+        self.proc.kill()
+        raise RuntimeError(f"the driver did not say {name!r} (exit code {self.proc.poll()}); its log:\n"
+                           f"{self.log_path.read_text(errors='replace')[-6000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._log.close()
 
 
 if __name__ == "__main__":

@@ -127,7 +127,9 @@ class DriverProcess:
     its line and returns it."""
 
     def __init__(self, args: dict, log_path: Path):
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # a process that started a Ray of its own carries RAY_AUTH_MODE=token: not for this cluster
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   RAY_AUTH_MODE="disabled")
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,

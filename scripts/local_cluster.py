@@ -6,7 +6,7 @@ the cluster until Ctrl-C (or SIGTERM), and ends exactly its own processes (never
     .venv/bin/python scripts/local_cluster.py --workers 1 \\
         --head-resources '{"learner_node": 1}' --worker-resources '{"rollout_node": 2}'
     # in another terminal, with the address it printed:
-    RAY_ADDRESS=127.0.0.1:PORT m2po train --config configs/default.yaml \\
+    RAY_ADDRESS=127.0.0.1:PORT RAY_AUTH_MODE=disabled m2po train --config configs/default.yaml \\
         'env_runners.num_env_runners=2' 'env_runners.custom_resources_per_env_runner={rollout_node: 1}'
     ray job submit --address http://127.0.0.1:PORT --working-dir . -- m2po train ...
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.workers):
             cluster.add_worker(num_cpus=args.worker_cpus, resources=args.worker_resources)
         print(f"head + {args.workers} worker node(s) up; logs under {cluster.root}")
-        print(f"  RAY_ADDRESS={cluster.address}")
+        print(f"  export RAY_ADDRESS={cluster.address} RAY_AUTH_MODE=disabled   # a driver here joins with these")
         print(f"  job API:    {cluster.dashboard_address}")
         print("Ctrl-C ends them.", flush=True)
         stop.wait()

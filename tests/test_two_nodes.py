@@ -148,7 +148,7 @@ def test_a_lab_runs_trials_on_both_nodes_and_retries_the_lost_nodes_trial_from_i
         "stop": {"policy_version": 60}, "checkpoint_every": every, "max_failures": 2}))
     out = tmp_path / "lab"
     worker = two_nodes.workers[0]
-    env = dict(os.environ, RAY_ADDRESS=two_nodes.address)
+    env = two_nodes.driver_env()
     log = tmp_path / "lab.log"
     with open(log, "wb") as f:
         lab = subprocess.Popen([sys.executable, "-m", "m2po_rllib.jobs.cli", "lab", "--space", str(tmp_path / "space.yaml"),

@@ -292,6 +292,13 @@ class LocalCluster:
         """The job API: `ray job submit --address`."""
         return self.head.dashboard_address
 
+    def driver_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a driver process joining this cluster: `base` (default: this
+        process's) with RAY_ADDRESS, and without token authentication, which the nodes run
+        without (a process that started a Ray of its own carries RAY_AUTH_MODE=token, and a
+        driver with it cannot create actors here)."""
+        return {**(os.environ if base is None else base), "RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "disabled"}
+
     def start(self) -> "LocalCluster":
         self.head.start()
         return self

@@ -307,7 +307,8 @@ def test_phase_map_cells_shared_on_policy_runs_and_collapses(tmp_path):
     on-policy run borrows the one loss's that has them (marked); collapsed runs are counted;
     a single learning rate is no map."""
     from m2po_rllib.jobs.report_plots import _phase_map
-    from m2po_rllib.jobs.runs import Run, group_variants, phase_map, phase_markdown
+    from m2po_rllib.jobs.phase_map import phase_map, phase_markdown
+    from m2po_rllib.jobs.runs import Run, group_variants
 
     def run(loss, staleness, lr, seed, accs, collapse=None):
         history = [{"iteration": i + 1, "policy_version": 10 * (i + 1), "heldout_accuracy": a} for i, a in enumerate(accs)]

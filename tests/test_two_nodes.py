@@ -184,6 +184,12 @@ def test_a_lab_runs_trials_on_both_nodes_and_retries_the_lost_nodes_trial_from_i
     # follows a checkpointed one
     resumed_from = retried[0]["training_iteration"] - retried[0]["iterations_since_restore"]
     assert resumed_from > 0 and resumed_from % every == 0
+    # `m2po report` reads it as finished, each iteration once (its last attempt's)
+    from m2po_rllib.jobs.runs import find_runs
+
+    (run,) = [r for r in find_runs([str(out)]) if r.path.name == lost]
+    iterations = [h["iteration"] for h in run.history]
+    assert run.note == "" and iterations == list(range(1, rows[-1]["training_iteration"] + 1))
 
 
 def test_a_worker_node_lost_mid_run_loses_no_sample_and_its_runners_resume_on_a_new_node(

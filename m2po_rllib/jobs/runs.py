@@ -195,12 +195,55 @@ def _trial_results(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def latest_attempt(results: list[dict]) -> list[dict]:
+    """A trial's results as its last attempt left them: a trial retried from a checkpoint
+    (Tune's `max_failures`, e.g. its node lost) writes the iterations after that checkpoint
+    again, and the earlier attempt's copies of them are dropped."""
+    kept: list[dict] = []
+    for r in results:
+        if r.get("training_iteration") in (None, ""):
+            continue
+        it = float(r["training_iteration"])
+        while kept and float(kept[-1]["training_iteration"]) >= it:
+            kept.pop()
+        kept.append(r)
+    return kept
+
+
+def tune_trial_states(experiment: Path) -> dict[str, tuple[str, int]]:
+    """Each trial directory's last status and failures as Tune's newest experiment state
+    records them ({"000_seed=0": ("TERMINATED", 1)}); {} where there is none (trial
+    directories copied elsewhere)."""
+    states = sorted(experiment.glob("experiment_state-*.json"))
+    if not states:
+        return {}
+    try:
+        data = json.loads(states[-1].read_text())
+        out = {}
+        for trial, runtime in data["trial_data"]:
+            trial = json.loads(trial) if isinstance(trial, str) else trial
+            runtime = json.loads(runtime) if isinstance(runtime, str) else runtime
+            out[trial["relative_logdir"]] = (trial["status"], int(runtime.get("num_failures", 0)))
+        return out
+    except (OSError, ValueError, KeyError, TypeError):  # another Tune's format: fall back to error.txt
+        return {}
+
+
+def _failed(path: Path) -> bool:
+    """The trial's last attempt failed. A trial retried from its checkpoint and finished keeps
+    the error.txt of its failed attempt: Tune's experiment state says which it was."""
+    state = tune_trial_states(path.parent).get(path.name)
+    if state is not None:
+        return state[0] == "ERROR"
+    return (path / "error.txt").exists()
+
+
 def _tune_trial(path: Path, last_k: int) -> Run:
     from m2po_rllib.jobs.collapse import COLLAPSE_FILE, COLLAPSE_REASON
 
     params = json.loads((path / "params.json").read_text())
     settings = {k: params.get(k) for k in SETTINGS}
-    results = _trial_results(path)
+    results = latest_attempt(_trial_results(path))
     history = [
         history_record(r, int(float(r["training_iteration"])), float(r.get("time_total_s") or 0.0))
         for r in results
@@ -212,7 +255,7 @@ def _tune_trial(path: Path, last_k: int) -> Run:
     elif recorded := next((r for r in results if r.get(COLLAPSE_REASON)), None):
         collapse = {"reason": recorded[COLLAPSE_REASON], "training_iteration": recorded.get("training_iteration"),
                     "source": "recorded"}
-    note = "failed (error.txt)" if (path / "error.txt").exists() else ""
+    note = "failed (error.txt)" if _failed(path) else ""
     run = Run(path, settings, history, note, collapse=collapse, last_k=last_k)
     return _with_collapse_rule(run, lab_collapse_rule(path.parent))
 
@@ -319,80 +362,3 @@ def staleness_level(value) -> int | str:
 def order(value) -> tuple:
     """A sort key for key entries that mix None, numbers and names ("auto" after the numbers)."""
     return value is None, isinstance(value, str), value
-
-
-# -- the phase map: final accuracy per (staleness, lr), one panel per loss ------------------
-@dataclass
-class PhaseCell:
-    runs: list[Run]
-    shared_from: str | None = None  # the panel whose on-policy runs stand in for this one's
-
-    @property
-    def final(self) -> tuple[float | None, float | None]:
-        return mean_std([r.final for r in self.runs if r.final is not None])
-
-    @property
-    def best(self) -> tuple[float | None, float | None]:
-        return mean_std([r.best for r in self.runs if r.best is not None])
-
-    @property
-    def collapsed(self) -> int:
-        return sum(r.collapsed for r in self.runs)
-
-
-@dataclass
-class PhaseMap:
-    staleness: list[int]  # rows
-    lrs: list[float]  # columns
-    panels: dict[str, dict[tuple[int, float], PhaseCell]]  # loss label -> (staleness, lr) -> cell
-
-
-def phase_map(variants: list[Variant]) -> PhaseMap | None:
-    """The stale-k variants as a staleness x learning-rate map per loss (and tau), or None when
-    they do not span at least two staleness levels and two learning rates (runs without a
-    held-out evaluation or a learning rate do not count). A panel with no
-    run at staleness 0 for a learning rate borrows the on-policy runs of the one panel that
-    has them (a space may run on-policy once when the losses coincide there, e.g. with one
-    optimizer update per step every ratio is 1); the cell says whose they are."""
-    cells = [v for v in variants if v.key[1] == "stale-k" and v.key[5] is None and isinstance(v.key[2], int)
-             and v.key[4] is not None and any(r.final is not None for r in v.runs)]
-    staleness = sorted({v.key[2] for v in cells})
-    lrs = sorted({v.key[4] for v in cells})
-    if len(staleness) < 2 or len(lrs) < 2:
-        return None
-    panels: dict[str, dict[tuple[int, float], PhaseCell]] = {}
-    for v in cells:
-        name = v.label(("policy_loss", "m2_threshold"))
-        panels.setdefault(name, {})[(v.key[2], v.key[4])] = PhaseCell(list(v.runs))
-    for lr in lrs:
-        owners = [name for name, p in panels.items() if (0, lr) in p and not p[(0, lr)].shared_from]
-        if len(owners) == 1:
-            for name, p in panels.items():
-                p.setdefault((0, lr), PhaseCell(panels[owners[0]][(0, lr)].runs, shared_from=owners[0]))
-    return PhaseMap(staleness, lrs, dict(sorted(panels.items())))
-
-
-def phase_markdown(pm: PhaseMap) -> str:
-    """One table per panel: final held-out accuracy (mean ± std over seeds), best in
-    parentheses, and how many of the cell's runs collapsed."""
-    out = []
-    for name, cells in pm.panels.items():
-        head = "| staleness | " + " | ".join(f"lr {lr:g}" for lr in pm.lrs) + " |"
-        lines = [f"**{name}**", "", head, "|" + "---|" * (len(pm.lrs) + 1)]
-        for s in pm.staleness:
-            row = []
-            for lr in pm.lrs:
-                cell = cells.get((s, lr))
-                if cell is None or cell.final[0] is None:
-                    row.append("-")
-                    continue
-                (fm, fs), (bm, bs) = cell.final, cell.best
-                text = f"{fm:.3f}" + (f" ± {fs:.3f}" if fs is not None else "") + f" (best {bm:.3f})"
-                if cell.collapsed:
-                    text += f", **collapsed {cell.collapsed}/{len(cell.runs)}**"
-                if cell.shared_from:
-                    text += f" [on-policy runs of {cell.shared_from}]"
-                row.append(text)
-            lines.append(f"| {s} | " + " | ".join(row) + " |")
-        out.append("\n".join(lines))
-    return "\n\n".join(out)

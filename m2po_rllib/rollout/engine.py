@@ -98,6 +98,26 @@ class Completion:
         return out
 
 
+@dataclass
+class Partial:
+    """One sample of a streamed group as far as it got: what `GenerationEngine.partials()`
+    hands over (a checkpoint taken mid-generation) and `submit(..., resume=...)` continues."""
+
+    token_ids: list[int]
+    """Tokens generated so far."""
+    logprobs: list[float]
+    """Their behaviour log-probs."""
+    versions: list[int]
+    """The policy version that sampled each of them (kept when continued)."""
+    finish_reason: str | None = None
+    """The sample's finish reason where it had ended; None while it goes on."""
+    text: str | None = None
+    """An ended sample's text where a stop string cut it (else decoded at the end)."""
+    rng_state: bytes | None = None
+    """Its random stream's state after its last token (HF: the torch generator's), so the
+    continued sample draws what the uninterrupted one would; None: a fresh stream."""
+
+
 def version_spans(versions: Sequence[int]) -> list[tuple[int, int, int]]:
     """Per-token versions as `(version, start, end)` spans (`Completion.weight_versions`)."""
     spans: list[tuple[int, int, int]] = []
@@ -137,11 +157,28 @@ class GenerationEngine(abc.ABC):
 
     # -- streaming (continuous batching): a group at a time in, whole groups out ----------
     @abc.abstractmethod
-    def submit(self, key: Hashable, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+    def submit(self, key: Hashable, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0,
+               resume: Sequence[Partial] | None = None) -> None:
         """Queues one group, `sampling.n` samples of one prompt, under `key` (unique among the
         groups in flight). It joins the running batch at the next `step()`, beside the groups
         being generated. Its samples are seeded as prompt `index` of a `generate` call with the
-        same `sampling` (`SamplingConfig.request_seed(index, j)`)."""
+        same `sampling` (`SamplingConfig.request_seed(index, j)`). `resume` (engines with
+        `resumes_partial`): sample j goes on from `resume[j]` (`partials()` of an earlier
+        engine): its tokens, log-probs and versions kept, an ended one not generated further."""
+
+    resumes_partial: bool = False
+    """Whether `partials()` and `submit(..., resume=...)` work (a mid-generation checkpoint)."""
+
+    def partials(self) -> dict[Hashable, list[Partial]]:
+        """Every group in flight as far as it got: key -> one `Partial` per sample, in order."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot hand over partially generated groups yet (the HF engine can: "
+            "rollout_engine='hf')"
+        )
+
+    def _refuse_resume(self, resume) -> None:
+        if resume is not None and not self.resumes_partial:
+            self.partials()  # raises, naming the engine that can
 
     @abc.abstractmethod
     def step(self) -> list[tuple[Hashable, list[Completion]]]:

@@ -181,9 +181,15 @@ class HFEngine(GenerationEngine):
         return Completion(tokens, logps, text, reason, version_spans(versions))
 
     # -- streaming: the continuous batch (hf_stream.py) ----------------------------------------
-    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+    resumes_partial = True
+
+    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0,
+               resume=None) -> None:
         self._check_alive()
-        self._stream.submit(key, prompt_token_ids, sampling, index)
+        self._stream.submit(key, prompt_token_ids, sampling, index, resume)
+
+    def partials(self):
+        return self._stream.partials()
 
     @property
     def in_flight(self) -> int:

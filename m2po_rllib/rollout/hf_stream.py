@@ -13,6 +13,11 @@ Weights loaded between two steps (`HFEngine.update_weights(..., mid_sequence=Tru
 batch is prefilled again from every row's prompt and tokens so far (`reprefill`), so each
 later token is the new weights' own, given its whole context (no KV entry of the old weights
 is kept); each row records the version that sampled each of its tokens.
+
+Partial groups (`partials`, `submit(..., resume=...)`): a group in flight handed over as far
+as it got, each sample with its tokens, log-probs, versions and random stream's state, and
+continued in another batch (a mid-generation checkpoint resumed): its samples join by the same
+prefill as above, and draw what they would have drawn uninterrupted.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m2po_rllib.rollout.engine import Completion, SamplingConfig
+from m2po_rllib.rollout.engine import Completion, Partial, SamplingConfig
 from m2po_rllib.rollout.hf_sampling import sample_next
 
 
@@ -49,6 +54,23 @@ class _Row:
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     reason: str | None = None
     text: str | None = None
+
+
+def _resume(row: _Row, partial: Partial) -> None:
+    """`row` goes on from `partial`: its tokens, log-probs and versions, its random stream's
+    state; an ended sample stays ended (its group counts it done)."""
+    if len(partial.logprobs) != len(partial.token_ids) or len(partial.versions) != len(partial.token_ids):
+        raise ValueError(f"a partial sample of {len(partial.token_ids)} tokens has {len(partial.logprobs)} log-probs "
+                         f"and {len(partial.versions)} versions")
+    if partial.finish_reason is None and len(partial.token_ids) >= row.budget:
+        raise ValueError(f"an unfinished partial sample of {len(partial.token_ids)} tokens is at its budget "
+                         f"({row.budget}): it would have ended")
+    row.tokens, row.logps, row.versions = list(partial.token_ids), list(partial.logprobs), list(partial.versions)
+    if partial.rng_state is not None:
+        row.generator.set_state(torch.frombuffer(bytearray(partial.rng_state), dtype=torch.uint8))
+    if partial.finish_reason is not None:
+        row.reason, row.text = partial.finish_reason, partial.text
+        row.group.left -= 1
 
 
 def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -110,15 +132,27 @@ class ContinuousBatch:
         yield from self.queue
         yield from {id(r.group): r.group for r in self.rows}.values()
 
-    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0,
+               resume: list[Partial] | None = None) -> None:
         if any(g.key == key for g in self.groups()):
             raise ValueError(f"a group with key {key!r} is already in flight")
+        if resume is not None and len(resume) != sampling.n:
+            raise ValueError(f"resume holds {len(resume)} samples for a group of n={sampling.n}")
         prompt = list(prompt_token_ids)
         budget = self.engine.budget(prompt, sampling)
         group = _Group(key, sampling, left=sampling.n)
         group.rows = [_Row(group, prompt, budget, self.engine.generator(sampling.request_seed(index, j)))
                        for j in range(sampling.n)]
+        for row, partial in zip(group.rows, resume or []):
+            _resume(row, partial)
         self.queue.append(group)
+
+    def partials(self) -> dict[object, list[Partial]]:
+        """Every group in flight as far as it got (`GenerationEngine.partials`), each sample
+        with its random stream's state."""
+        return {g.key: [Partial(list(r.tokens), list(r.logps), list(r.versions), r.reason, r.text,
+                                r.generator.get_state().numpy().tobytes()) for r in g.rows]
+                for g in self.groups()}
 
     @property
     def in_flight(self) -> int:
@@ -127,10 +161,15 @@ class ContinuousBatch:
 
     def step(self) -> list[tuple[object, list[Completion]]]:
         st = self
-        while st.queue and (not st.rows or len(st.rows) + st.queue[0].sampling.n <= self.engine.stream_rows):
-            self._join(st.queue.popleft().rows)
+        finished = []
+        while st.queue and (not st.rows or len(st.rows) + st.queue[0].left <= self.engine.stream_rows):
+            group = st.queue.popleft()
+            if group.left:
+                self._join([r for r in group.rows if r.reason is None])
+            else:  # resumed with every sample ended: back as it was
+                finished.append((group.key, self._completions(group)))
         if not st.rows:
-            return []
+            return finished
         # one token for every row, each group's rows by its own sampling settings
         tokens = torch.empty(len(st.rows), dtype=torch.long, device=self.engine.device)
         logps = torch.empty(len(st.rows), device=self.engine.device)
@@ -142,7 +181,7 @@ class ContinuousBatch:
             t, lp = sample_next(st.logits[idx], rows[0].group.sampling, [r.generator for r in rows],
                                 list(range(len(rows))))
             tokens[idx], logps[idx] = t, lp.to(logps.dtype)
-        finished, keep = [], []
+        keep = []
         version = self.engine.version  # the weights that computed st.logits (reprefill: after a load)
         for i, (row, token, logp) in enumerate(zip(st.rows, tokens.tolist(), logps.tolist())):
             row.tokens.append(token)
@@ -154,9 +193,7 @@ class ContinuousBatch:
                 continue
             row.group.left -= 1
             if row.group.left == 0:
-                g = row.group
-                finished.append((g.key, [self.engine.completion(r.tokens, r.logps, r.text, r.reason, r.versions)
-                                         for r in g.rows]))
+                finished.append((row.group.key, self._completions(row.group)))
         if len(keep) < len(st.rows):
             self._leave(keep)
         if st.rows:
@@ -164,6 +201,9 @@ class ContinuousBatch:
             st.logits, st.past = self.engine.forward(tokens[keep][:, None], st.mask, st.positions[:, None], st.past)
             st.positions = st.positions + 1
         return finished
+
+    def _completions(self, group: _Group) -> list[Completion]:
+        return [self.engine.completion(r.tokens, r.logps, r.text, r.reason, r.versions) for r in group.rows]
 
     def reprefill(self) -> None:
         """After a weight load between two steps: every decoding row's context (its prompt and

@@ -210,7 +210,9 @@ class VLLMEngine(GenerationEngine):
 
     # --- streaming: vLLM's own continuous batching, one request per group ------------------
 
-    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0) -> None:
+    def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0,
+               resume=None) -> None:
+        self._refuse_resume(resume)
         self._check_alive()
         self.wake_up()
         if any(k == key for k, _, _ in self._streamed.values()):

@@ -97,3 +97,55 @@ def test_partials_that_do_not_fit_their_group_are_refused(engines):
     with pytest.raises(ValueError, match="is at its budget"):
         second.submit("z", ids, SHORT, resume=[Partial([1, 2, 3], [0.0] * 3, [0] * 3), Partial([], [], [])])
     assert second.in_flight == 0
+
+
+# -- a streaming runner's rounds as far as they got (RoundStream.snapshot) ---------------------
+def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(tiny_model_dir):
+    """Round 0 partly generated and round 1 not started when the stream is read; another
+    runner given the snapshot (and newer weights) continues round 0's samples from their
+    tokens so far and starts round 1: each row keeps the first runner's tokens, labelled with
+    their version, and only the rest is generated again, by the new weights; the row's
+    `policy_version` is its oldest token's."""
+    import numpy as np
+    from test_streaming import _request, _runner, _take_all, _weights
+
+    from m2po_rllib.rollout.streaming import RoundStream
+
+    first, second = _runner(tiny_model_dir), _runner(tiny_model_dir)
+    try:
+        v1, v2 = _weights(tiny_model_dir, 1, 0.01), _weights(tiny_model_dir, 2, -0.02)
+        stream = RoundStream(first.host, first.plan_round, first.pack_round)  # driven here, no thread
+        stream.put([_request(0, v1, min_version=1)])
+        for _ in range(4):
+            stream.advance()
+        stream.put([_request(1, v1, min_version=1)])
+        stream._pause_requests += 1  # round 1 waits: not started when the snapshot is read
+        snapshot = stream.snapshot()
+        stream._pause_requests -= 1
+        assert sorted(sorted(e) for e in snapshot) == [["prompt_ids", "request", "resume"], ["request"]]
+        (generating,) = [e for e in snapshot if "resume" in e]
+        (waiting,) = [e for e in snapshot if "resume" not in e]
+        assert generating["request"]["first_sample_id"] == 0 and "weights" not in generating["request"]
+        handed = generating["resume"]
+        assert max(len(p.token_ids) for group in handed.values() for p in group) == 4  # 4 steps so far
+
+        resumed = RoundStream(second.host, second.plan_round, second.pack_round)
+        resumed.put([{**generating["request"], "weights": v2, "resume": handed, "prompt_ids": generating["prompt_ids"]},
+                     {**waiting["request"], "weights": v2}])
+        done = _take_all(resumed, 2)
+    finally:
+        first.stop()
+        second.stop()
+    batch = done[0]
+    mask, versions = batch["response_mask"].astype(bool), batch["token_version"]
+    samples = [p for i in sorted(handed) for p in handed[i]]
+    assert len(samples) == len(batch["sample_id"])
+    for row, p in enumerate(samples):
+        k = len(p.token_ids)
+        assert batch["response_ids"][row][:k].tolist() == p.token_ids  # the first runner's tokens, kept
+        np.testing.assert_allclose(batch["behavior_logp"][row][:k], p.logprobs, rtol=0, atol=0)
+        got = versions[row][mask[row]].tolist()
+        n_new = int(mask[row].sum()) - k
+        assert got == [1] * k + [2] * n_new and (n_new == 0) == (p.finish_reason is not None)
+    assert batch["policy_version"].tolist() == [1] * len(samples)  # each row's oldest token
+    assert set(done[1 * 2 * 4]["policy_version"].tolist()) == {2}  # round 1: begun by the second runner

@@ -50,6 +50,7 @@ from typing import Any
 
 from m2po_rllib.rollout.episodes import new_episodes, play_turn
 from m2po_rllib.rollout.rounds import played_rows, score_groups
+from m2po_rllib.rollout.stream_snapshot import check_resumed_prompts, oldest_version, request_only, round_entry
 
 WAIT_S = 0.2  # the longest a driver's call waits for a finished round
 
@@ -199,6 +200,23 @@ class RoundStream:
                 self._holds -= 1
                 self._cv.notify_all()
 
+    def snapshot(self) -> list[dict] | None:
+        """Every round this stream holds and the driver has not taken, as far as it got
+        (stream_snapshot.py), read between two beats of the generating thread; None where
+        that cannot be handed over (an engine without `resumes_partial`, a multi-turn round
+        generating): the caller waits for the rounds instead."""
+        if not self.host.engine.resumes_partial:
+            return None
+        with self.between_steps():
+            with self._cv:
+                pending, active, done = list(self._pending), list(self._active.values()), list(self._done)
+            if any(r.episodes is not None for r in active):
+                return None
+            partials = self.host.engine.partials() if active else {}
+            return ([{"request": request_only(r.request)} for r in pending]
+                    + [round_entry(r.request, r.plan, r.groups, partials, r.first_sample_id, r.version) for r in active]
+                    + [{"batch": batch} for batch in done])
+
     def stop(self) -> None:
         with self._cv:
             self._stopping = True
@@ -286,13 +304,20 @@ class RoundStream:
         r.plan = self._plan(r.request, r.slot)
         r.version = engine.version
         r.started = time.perf_counter()
+        resume = r.request.get("resume")
+        if resume:  # a round of a checkpoint, continued: its rows are as old as their oldest token
+            if r.plan.multi_turn:
+                raise ValueError(f"the round from sample {r.first_sample_id} is multi-turn: it cannot be resumed")
+            check_resumed_prompts(r.request.get("prompt_ids"), r.plan, r.first_sample_id)
+            r.version = oldest_version(resume, r.version)
         if r.plan.multi_turn:
             r.episodes = new_episodes(r.plan.envs, r.plan.prompt_ids)
             for e in range(len(r.episodes)):
                 self._submit_turn(r, e)
         else:
             for i, prompt in enumerate(r.plan.prompt_ids):
-                engine.submit((r.first_sample_id, i), prompt, r.plan.sampling, index=i)
+                engine.submit((r.first_sample_id, i), prompt, r.plan.sampling, index=i,
+                              resume=(resume or {}).get(i))
         self._active[r.first_sample_id] = r
         return True
 

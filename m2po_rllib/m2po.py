@@ -250,6 +250,18 @@ class M2PO(Algorithm):
                        f"checkpoint: {self._sampler.num_in_flight()} rounds and {self._learners.in_flight} updates "
                        "still in flight"))
 
+    def _snapshot_rounds(self) -> dict[int, dict] | None:
+        """A checkpoint with streaming runners: the updates in flight finish, the rounds in
+        flight do not (they are read as far as they got: `RolloutSampler.snapshot_in_flight`);
+        None where they cannot be (then `_drain` waits for them)."""
+        if not (self.config.async_rollouts and self._sampler.streaming) or self.config.recompute_behavior_logp:
+            return None
+        self._learners.wait_idle(self._absorb)
+        wait_until(lambda: not self._sampler.calls_in_flight, lambda: self._collect_rounds(),
+                   self.config.sample_timeout_s, lambda: f"checkpoint: {self._sampler.calls_in_flight} runner calls "
+                                                         "still in flight")
+        return self._sampler.snapshot_in_flight()
+
     # -- beats 3-4: update, publish --------------------------------------------------------
     def _update(self, rollout: dict) -> list[dict]:
         """Sends one step (a rollout batch) to the learners; returns the results ready now
@@ -343,12 +355,14 @@ class M2PO(Algorithm):
 
     @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
-        self._drain()
+        partials = self._snapshot_rounds()
+        if partials is None:
+            self._drain()
         if self.config.sharded_learners and self._check_component(COMPONENT_LEARNER_GROUP, components, not_components):
             # the optimizer state is sharded: gathered to the first learner by all at once
             self.learner_group.foreach_learner(lambda learner: learner.gather_optimizer_state())
         state = super().get_state(components, not_components=not_components, **kwargs)
-        state["m2po"] = {"sampler": self._sampler.get_state(), "heldout_accuracy": self._heldout_accuracy}
+        state["m2po"] = {"sampler": self._sampler.get_state(partials), "heldout_accuracy": self._heldout_accuracy}
         return state
 
     @override(Algorithm)

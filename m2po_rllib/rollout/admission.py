@@ -26,8 +26,10 @@ already admitted.
 Faults. The rounds of a runner that died are requested again (with the current weights,
 from any healthy runner); the same round index keeps its prompts and sample ids, so
 nothing is lost or trained twice; should the first runner still return one of them (it
-was taken for dead, not dead), that copy is not filed. Checkpoints: `get_state` after draining every in-flight
-round (`M2PO` waits for them) holds the arrived rounds and the counters.
+was taken for dead, not dead), that copy is not filed. Checkpoints: `get_state` holds the
+arrived rounds and the counters, the rounds in flight counted as to be requested again
+(`M2PO` drains them first, or, with streaming runners, saves them as far as they got: the
+sampler's `partials`, resumed when they are requested again).
 """
 
 from __future__ import annotations

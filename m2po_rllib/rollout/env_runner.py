@@ -164,6 +164,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 return self.host.receive(update_info, version, mid_sequence=True)
         return self.host.receive(update_info, version)
 
+    def m2po_stream_snapshot(self) -> list[dict] | None:
+        """Streaming: the rounds this runner holds, as far as they got (`RoundStream.snapshot`;
+        None where they cannot be handed over); [] when it streams nothing."""
+        return self._stream.snapshot() if self._stream is not None else []
+
     # -- colocate=True: the driver puts the engine to sleep around each learner update ----------
     def m2po_sleep(self) -> bool:
         return self.host.sleep()

@@ -27,7 +27,8 @@ finished, in any order; `poll()` keeps the calls going when nothing new is admit
 runner loads between two decoding steps.
 
 Checkpoints: `get_state()` holds the queue (sync) or the arrived rounds and counters
-(async; the algorithm drains the rounds in flight first).
+(async; the algorithm drains the rounds in flight first, except with streaming runners that
+can hand them over as far as they got: `snapshot_in_flight`, resumed after a restore).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class RolloutSampler:
         self.steps_sampled = 0  # sync: steps whose rounds were sampled
         self._base_version = start_version  # the learner's version before step 0
         self.down = RunnersDown(config)  # while runners are down: what the run waits for
+        self._resume: dict[int, dict] = {}  # restored: round -> its resume, until it arrives (stream_snapshot.py)
 
     # -- both modes ----------------------------------------------------------------------
     @property
@@ -126,6 +128,7 @@ class RolloutSampler:
         )
         if self.streaming:
             request["min_version"] = self.admission.oldest_weights(n, self.dispatched_version)
+            request.update(self._resume.get(n, {}))  # a round of a checkpoint, as far as it got
         return request
 
     def metrics(self) -> dict[str, float]:
@@ -290,10 +293,12 @@ class RolloutSampler:
             batches = answer if self.streaming else [answer]
             self._calling.discard(runner_id)
             for batch in batches:
-                if pipe.received(runner_id, batch) is None:
+                n = pipe.received(runner_id, batch)
+                if n is None:
                     logger.warning("EnvRunner %d returned rows from sample %d, requested again since: not filed",
                                    runner_id, int(batch["sample_id"][0]))
                 else:
+                    self._resume.pop(n, None)  # resumed (a runner lost meanwhile resumes it again)
                     filed += 1
             metrics.append(runner_metrics)
             busy += busy_s
@@ -326,12 +331,45 @@ class RolloutSampler:
         return self.admission.num_in_flight() if self.admission is not None else 0
 
     # -- checkpoints ---------------------------------------------------------------------
-    def get_state(self) -> dict[str, Any]:
+    def snapshot_in_flight(self) -> dict[int, dict] | None:
+        """Streaming: the rounds in flight as far as they got, without waiting for them (a
+        checkpoint that keeps partial sequences). Call it with no runner call in flight
+        (`calls_in_flight`: collect them first; each returns within `WAIT_S`): each runner's
+        stream is read (`LLMEnvRunner.m2po_stream_snapshot`), its finished rounds filed, and
+        the generating ones' partial groups returned by round. None where a runner cannot hand
+        them over (then the caller drains them)."""
+        if not self.streaming or self.config.recompute_behavior_logp:
+            return None
+        if self._calling:
+            raise RuntimeError(f"streaming calls to runners {sorted(self._calling)} are in flight: collect them first")
+        pipe, partials = self.admission, {}
+        for runner_id in [r for r in self.runners.healthy_env_runner_ids() if pipe.num_in_flight(r)]:
+            answers = self.runners.foreach_env_runner(lambda runner: runner.m2po_stream_snapshot(),
+                                                      remote_worker_ids=[runner_id], local_env_runner=False)
+            if not answers or answers[0] is None:
+                return None
+            for entry in answers[0]:
+                if "batch" in entry:
+                    pipe.received(runner_id, entry["batch"])
+                elif "resume" in entry:
+                    n = int(entry["request"]["first_sample_id"]) // self.rows_per_round
+                    partials[n] = {"resume": entry["resume"], "prompt_ids": entry["prompt_ids"]}
+        return partials
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Streaming: runner calls sent and not yet collected."""
+        return len(self._calling)
+
+    def get_state(self, partials: dict[int, dict] | None = None) -> dict[str, Any]:
+        """`partials`: the rounds in flight as far as they got (`snapshot_in_flight`); they are
+        resumed from there after a restore. Other rounds in flight are requested again whole."""
         return {
             "queue": list(self.queue),
             "steps_sampled": self.steps_sampled,
             "admission": self.admission.get_state() if self.admission is not None else None,
             "staleness": self.staleness.get_state() if self.staleness is not None else None,
+            "partials": dict(partials or {}),
         }
 
     def set_state(self, state: dict[str, Any], learner_version: int) -> None:
@@ -339,6 +377,7 @@ class RolloutSampler:
         dispatched before the checkpoint was trained: it drained them)."""
         self.queue = collections.deque(state["queue"])
         self.steps_sampled = int(state["steps_sampled"])
+        self._resume = {int(n): r for n, r in (state.get("partials") or {}).items()}
         if self.admission is not None and state.get("admission") is not None:
             self.admission.set_state(state["admission"])
         if self.staleness is not None and state.get("staleness") is not None:

@@ -204,14 +204,15 @@ class RoundStream:
         """Every round this stream holds and the driver has not taken, as far as it got
         (stream_snapshot.py), read between two beats of the generating thread; None where
         that cannot be handed over (an engine without `resumes_partial`, a multi-turn round
-        generating): the caller waits for the rounds instead."""
+        generating): the caller waits for the rounds instead. Finished rounds are taken."""
         if not self.host.engine.resumes_partial:
             return None
         with self.between_steps():
             with self._cv:
-                pending, active, done = list(self._pending), list(self._active.values()), list(self._done)
-            if any(r.episodes is not None for r in active):
-                return None
+                pending, active = list(self._pending), list(self._active.values())
+                if any(r.episodes is not None for r in active):
+                    return None
+                done, self._done = self._done, []  # taken: handed over here, not by the next take
             partials = self.host.engine.partials() if active else {}
             return ([{"request": request_only(r.request)} for r in pending]
                     + [round_entry(r.request, r.plan, r.groups, partials, r.first_sample_id, r.version) for r in active]

@@ -142,25 +142,33 @@ def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_m
     assert time.monotonic() - t0 < 60 and ray.available_resources().get("CPU") == before
 
 
+def _refused(config, cluster: dict[str, float]):
+    """The `ConfigError` with which `check_actors_fit` refuses `config` on a local Ray of `cluster`."""
+    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.resources import check_actors_fit
+
+    with pytest.raises(ConfigError) as err:
+        check_actors_fit(config, M2PO.default_resource_request(config).bundles, cluster=cluster, local=True)
+    return err.value
+
+
 def test_a_custom_resource_no_node_offers_is_refused_with_how_to_offer_it(tiny_model_dir):
     """Runners pinned to nodes with `{"rollout_node": 1}` (a cluster's worker nodes) on a
     local Ray without that resource would wait forever: refused, with the arithmetic and the
     two fixes (start nodes that offer it, or drop it)."""
-    from m2po_rllib.errors import ConfigError
     from m2po_rllib.resources import check_actors_fit
 
     config = _actor_config(tiny_model_dir, runners=2, runner_cpus=0.5, learners=0).env_runners(
         custom_resources_per_env_runner={"rollout_node": 1})
-    bundles = M2PO.default_resource_request(config).bundles
-    with pytest.raises(ConfigError) as err:
-        check_actors_fit(config, bundles, cluster={"CPU": 4.0}, local=True)
-    message = str(err.value)
+    err = _refused(config, {"CPU": 4.0})
+    message = str(err)
     assert message.startswith("the algorithm's actors need 2 rollout_nodes (2 EnvRunner(s) x 0.5 CPU and 1 rollout_node) "
                               "and this local Ray cluster has 0 rollout_nodes")
     assert """ray start --resources='{"rollout_node": 2}'""" in message and "num_cpus" not in message
-    assert err.value.settings == ("custom_resources_per_env_runner", "custom_resources_per_learner")
+    assert err.settings == ("custom_resources_per_env_runner", "custom_resources_per_learner")
     # a node that offers two is enough
-    check_actors_fit(config, bundles, cluster={"CPU": 4.0, "rollout_node": 2.0}, local=True)
+    check_actors_fit(config, M2PO.default_resource_request(config).bundles,
+                     cluster={"CPU": 4.0, "rollout_node": 2.0}, local=True)
 
 
 def test_the_run_says_which_runners_are_down_every_period_and_when_they_are_back(tiny_model_dir):
@@ -207,24 +215,18 @@ def test_placement_reads_as_one_line_per_node():
 
 # -- GPUs: requests this machine (or its local Ray) cannot serve ---------------------------------
 def test_a_gpu_shortage_names_the_gpu_settings_not_the_cpu_ones(tiny_model_dir):
-    from m2po_rllib.errors import ConfigError
-    from m2po_rllib.resources import check_actors_fit
-
     config = _actor_config(tiny_model_dir, runners=1, runner_cpus=0.5, learners=0).env_runners(num_gpus_per_env_runner=1)
-    bundles = M2PO.default_resource_request(config).bundles
-    with pytest.raises(ConfigError) as err:
-        check_actors_fit(config, bundles, cluster={"CPU": 2.0}, local=True)
-    message = str(err.value)
+    err = _refused(config, {"CPU": 2.0})
+    message = str(err)
     assert message.startswith("the algorithm's actors need 1 GPUs (1 EnvRunner(s) x 0.5 CPU and 1 GPU) and this local "
                               "Ray cluster has 0 GPUs: Ray would queue them forever. Lower `num_gpus_per_env_runner`")
     assert "ray.init(num_gpus=...)" in message and "num_cpus" not in message
-    assert err.value.settings[0] == "num_gpus_per_env_runner" and "num_cpus_per_env_runner" not in err.value.settings
+    assert err.settings[0] == "num_gpus_per_env_runner" and "num_cpus_per_env_runner" not in err.settings
     # short of both: each with its own fix, GPUs first
     many = _actor_config(tiny_model_dir, runners=3, runner_cpus=1, learners=0).env_runners(num_gpus_per_env_runner=1)
-    with pytest.raises(ConfigError) as err:
-        check_actors_fit(many, M2PO.default_resource_request(many).bundles, cluster={"CPU": 2.0}, local=True)
-    assert "need 3 CPUs, 3 GPUs" in str(err.value) and "ray.init(num_gpus=...)" in str(err.value)
-    assert "ray.init(num_cpus=...)" in str(err.value)
+    message = str(_refused(many, {"CPU": 2.0}))
+    assert "need 3 CPUs, 3 GPUs" in message and "ray.init(num_gpus=...)" in message
+    assert "ray.init(num_cpus=...)" in message
 
 
 def test_a_local_learner_asks_for_a_gpu_this_process_has(tiny_model_dir):

@@ -257,6 +257,8 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
     try:
         resumed = dict(algo.sampler._resume)  # the checkpoint's rounds as far as they got
         assert resumed and any(p.token_ids for r in resumed.values() for g in r["resume"].values() for p in g)
+        # saved again before they are back: they keep what they were restored with
+        assert algo.get_state()["m2po"]["sampler"]["partials"].keys() == resumed.keys()
         after = _record_trained_ids(algo)
         rollouts, update = [], algo._update
 

@@ -363,13 +363,15 @@ class RolloutSampler:
 
     def get_state(self, partials: dict[int, dict] | None = None) -> dict[str, Any]:
         """`partials`: the rounds in flight as far as they got (`snapshot_in_flight`); they are
-        resumed from there after a restore. Other rounds in flight are requested again whole."""
+        resumed from there after a restore, as are the rounds of an earlier checkpoint not yet
+        back (a round still waiting in a runner, or not requested again yet, keeps the partial
+        groups it was restored with). Other rounds in flight are requested again whole."""
         return {
             "queue": list(self.queue),
             "steps_sampled": self.steps_sampled,
             "admission": self.admission.get_state() if self.admission is not None else None,
             "staleness": self.staleness.get_state() if self.staleness is not None else None,
-            "partials": dict(partials or {}),
+            "partials": {**self._resume, **(partials or {})},
         }
 
     def set_state(self, state: dict[str, Any], learner_version: int) -> None:

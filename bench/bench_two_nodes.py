@@ -40,7 +40,8 @@ def one_run(engine: str, model: str, log_dir: Path) -> dict:
         runners = 1 if engine == "vllm" else 2
         t0 = time.monotonic()
         driver = DriverProcess(dict(address=cluster.address, model=model, engine=engine, runners=runners, learners=1,
-                                    max_staleness=BOUND, before=3, after=3, deadline_s=300), log_dir / "driver.log")
+                                    max_staleness=BOUND, before=3, after=3, deadline_s=300), log_dir / "driver.log",
+                               cluster.driver_env())
         try:
             placed = driver.event("placed")
             built_s = time.monotonic() - t0

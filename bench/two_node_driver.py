@@ -126,10 +126,9 @@ class DriverProcess:
     """This script in a process of its own (its stderr in `log_path`); `event(name)` waits for
     its line and returns it."""
 
-    def __init__(self, args: dict, log_path: Path):
-        # a process that started a Ray of its own carries RAY_AUTH_MODE=token: not for this cluster
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   RAY_AUTH_MODE="disabled")
+    def __init__(self, args: dict, log_path: Path, env: dict[str, str]):
+        """`env`: the driver's environment (`LocalCluster.driver_env()`)."""
+        env = dict(env, PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,

@@ -254,7 +254,7 @@ class M2PO(Algorithm):
         """A checkpoint with streaming runners: the updates in flight finish, the rounds in
         flight do not (they are read as far as they got: `RolloutSampler.snapshot_in_flight`);
         None where they cannot be (then `_drain` waits for them)."""
-        if not (self.config.async_rollouts and self._sampler.streaming) or self.config.recompute_behavior_logp:
+        if not self._sampler.snapshots:
             return None
         self._learners.wait_idle(self._absorb)
         wait_until(lambda: not self._sampler.calls_in_flight, lambda: self._collect_rounds(),

@@ -202,11 +202,14 @@ class GenerationEngine(abc.ABC):
     loads_mid_sequence: bool = False
     """Whether `update_weights(..., mid_sequence=True)` may load with groups in flight."""
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, mid_sequence: bool = False) -> bool:
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, mid_sequence: bool = False,
+                       always: bool = False) -> bool:
         """Loads `weights` (HF checkpoint names; a subset is fine) in place and sets `version`.
 
         Returns False and changes nothing when `version` is not newer than the current one:
         with asynchronous syncs a late or duplicate message must not roll the policy back.
+        `always`: a collective broadcast, which every rank must receive (one that stayed out
+        would hang it): loaded whatever its version, which then only moves forward.
         With streamed groups in flight it is refused (each group one version's) unless
         `mid_sequence`: then the engine loads at a token boundary, recomputes the KV cache of
         every sequence in flight with the new weights and goes on; the tokens sampled from
@@ -220,10 +223,10 @@ class GenerationEngine(abc.ABC):
                 f"{type(self).__name__} does not load weights with groups in flight yet "
                 "(the HF engine does: rollout_engine='hf'); let the groups finish first"
             )
-        if version <= self._version:
+        if version <= self._version and not always:
             return False
         self._load_weights(weights)
-        self._version = version
+        self._version = max(self._version, version)
         if self.in_flight:
             self._continue_after_load()
         return True

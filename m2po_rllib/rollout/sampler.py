@@ -200,7 +200,7 @@ class RolloutSampler:
                 )
             # A failed runner (e.g. a dead vLLM engine) is restarted by Ray; bring it back and
             # sample this round again (requests carry the current weights).
-            self.down.observe(sorted(set(range(1, self.rounds_per_step + 1)) - set(self.runners.healthy_env_runner_ids())))
+            self._observe_down()
             time.sleep(RETRY_S)
             self._restore()
         if len(out) != self.rounds_per_step:
@@ -292,14 +292,7 @@ class RolloutSampler:
         for runner_id, (answer, runner_metrics, busy_s) in ready:
             batches = answer if self.streaming else [answer]
             self._calling.discard(runner_id)
-            for batch in batches:
-                n = pipe.received(runner_id, batch)
-                if n is None:
-                    logger.warning("EnvRunner %d returned rows from sample %d, requested again since: not filed",
-                                   runner_id, int(batch["sample_id"][0]))
-                else:
-                    self._resume.pop(n, None)  # resumed (a runner lost meanwhile resumes it again)
-                    filed += 1
+            filed += sum(self._file(runner_id, batch) for batch in batches)
             metrics.append(runner_metrics)
             busy += busy_s
         healthy = set(self.runners.healthy_env_runner_ids())
@@ -310,10 +303,24 @@ class RolloutSampler:
             logger.warning("EnvRunner %d failed with rounds %s in flight; requesting them again", runner_id, rounds)
         if len(healthy) < self.runners.num_remote_env_runners():
             self._restore()
-            healthy = set(self.runners.healthy_env_runner_ids())
-        self.down.observe(sorted(set(range(1, self.runners.num_remote_env_runners() + 1)) - healthy))
+        self._observe_down()
         # a streaming call that brought nothing is no progress (the wait for the rounds is)
         return bool(filed or lost or (ready and not self.streaming)), metrics, busy
+
+    def _file(self, runner_id: int, batch: Rollout) -> bool:
+        """Files a round a runner returned; False for one requested again since (not filed)."""
+        n = self.admission.received(runner_id, batch)
+        if n is None:
+            logger.warning("EnvRunner %d returned rows from sample %d, requested again since: not filed",
+                           runner_id, int(batch["sample_id"][0]))
+            return False
+        self._resume.pop(n, None)  # a resumed round is back (until then a lost runner's is resumed again)
+        return True
+
+    def _observe_down(self) -> None:
+        """Tells `RunnersDown` which remote runners are not healthy now."""
+        healthy = set(self.runners.healthy_env_runner_ids())
+        self.down.observe(sorted(set(range(1, self.runners.num_remote_env_runners() + 1)) - healthy))
 
     def pop_step(self) -> tuple[Rollout | None, bool]:
         """(the next step's rounds as one batch, or None; whether rounds over the bound were
@@ -338,7 +345,7 @@ class RolloutSampler:
         stream is read (`LLMEnvRunner.m2po_stream_snapshot`), its finished rounds filed, and
         the generating ones' partial groups returned by round. None where a runner cannot hand
         them over (then the caller drains them)."""
-        if not self.streaming or self.config.recompute_behavior_logp:
+        if not self.snapshots:
             return None
         if self._calling:
             raise RuntimeError(f"streaming calls to runners {sorted(self._calling)} are in flight: collect them first")
@@ -350,11 +357,17 @@ class RolloutSampler:
                 return None
             for entry in answers[0]:
                 if "batch" in entry:
-                    pipe.received(runner_id, entry["batch"])
+                    self._file(runner_id, entry["batch"])
                 elif "resume" in entry:
                     n = int(entry["request"]["first_sample_id"]) // self.rows_per_round
                     partials[n] = {"resume": entry["resume"], "prompt_ids": entry["prompt_ids"]}
         return partials
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether a checkpoint may read the rounds in flight instead of waiting for them:
+        streaming runners, and no scorer (it would rescore a resumed row by one version)."""
+        return self.streaming and not self.config.recompute_behavior_logp
 
     @property
     def calls_in_flight(self) -> int:

@@ -305,14 +305,8 @@ class VLLMEngine(GenerationEngine):
         if paused:
             self._call(self.llm.llm_engine.engine_core.call_utility, "pause_scheduler", "keep", False)
         try:
-            if not isinstance(weights, BroadcastWeights):
-                loaded = super().update_weights(weights, version, mid_sequence=mid_sequence)
-            else:
-                self._load_weights(weights)
-                self._version = max(self._version, version)
-                loaded = True
-                if paused:
-                    self._continue_after_load()
+            loaded = super().update_weights(weights, version, mid_sequence=mid_sequence,
+                                            always=isinstance(weights, BroadcastWeights))
             if loaded:
                 self._label_weight_version()
         finally:

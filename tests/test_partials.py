@@ -3,10 +3,17 @@ checkpoint, issue 44 item 2): `GenerationEngine.partials()` gives every group in
 as it got, and `submit(..., resume=...)` on another engine goes on from there. On the HF
 engine a continued sample is the uninterrupted one: the same tokens (each sample's random
 stream is handed over with it), log-probs to rounding (its context prefilled again), the
-handed-over tokens keeping the version that sampled them."""
+handed-over tokens keeping the version that sampled them. A streaming runner's rounds are read
+the same way (`RoundStream.snapshot`), and a checkpoint of the algorithm keeps them instead of
+waiting for them, resumed after a restore (the last test)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
@@ -106,7 +113,6 @@ def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(
     tokens so far and starts round 1: each row keeps the first runner's tokens, labelled with
     their version, and only the rest is generated again, by the new weights; the row's
     `policy_version` is its oldest token's."""
-    import numpy as np
     from test_streaming import _request, _runner, _take_all, _weights
 
     from m2po_rllib.rollout.streaming import RoundStream
@@ -149,3 +155,87 @@ def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(
         assert got == [1] * k + [2] * n_new and (n_new == 0) == (p.finish_reason is not None)
     assert batch["policy_version"].tolist() == [1] * len(samples)  # each row's oldest token
     assert set(done[1 * 2 * 4]["policy_version"].tolist()) == {2}  # round 1: begun by the second runner
+
+
+# -- a checkpoint taken with rounds generating (the algorithm, remote streaming runners) --------
+@pytest.mark.slow
+def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint_and_a_kill(
+        ray_session, tiny_model_dir, tmp_path):
+    """A checkpoint taken with rounds generating does not wait for them: each runner's stream
+    is read as far as it got (issue 44 item 2). Restored (new runners), those rounds go on from
+    their saved tokens (each resumed row begins with them: no saved token generated again),
+    a runner is killed with rounds in its engine, and each sample is trained once, within the
+    bound."""
+    from test_async import _async_config, _record_trained_ids
+
+    from m2po_rllib import M2PO
+
+    cfg = (_async_config(tiny_model_dir, max_staleness=4)
+           .env_runners(streaming=True, max_new_tokens=12)
+           .fault_tolerance(restart_failed_env_runners=True))
+
+    def slow_steps(runner, delay_s: float):  # generation slower than an update, as on a GPU with long answers
+        engine = runner.host.engine
+        step = getattr(engine, "unslowed_step", engine.step)
+        engine.unslowed_step = step
+        engine.step = lambda: (time.sleep(delay_s), step())[1]
+
+    algo = cfg.build_algo()
+    try:
+        seen = _record_trained_ids(algo)
+        algo.env_runner_group.foreach_env_runner(lambda r: slow_steps(r, 0.02), local_env_runner=False)
+        ages = []
+        algo.train()
+        streams = algo.env_runner_group.foreach_env_runner(lambda r: r._stream is not None, local_env_runner=False)
+        assert streams == [True, True]  # the rounds went through the runners' streams
+        for _ in range(2):
+            result = algo.train()
+            ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
+        # the rounds just requested are a token or so in when the checkpoint reads them
+        algo.env_runner_group.foreach_env_runner(lambda r: slow_steps(r, 0.5), local_env_runner=False)
+        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
+        assert algo.sampler.num_in_flight() > 0  # not drained: the rounds went on generating
+        before = list(seen)
+    finally:
+        algo.stop()
+    algo = M2PO.from_checkpoint(ckpt)
+    try:
+        resumed = dict(algo.sampler._resume)  # the checkpoint's rounds as far as they got
+        assert resumed and any(p.token_ids for r in resumed.values() for g in r["resume"].values() for p in g)
+        # saved again before they are back: they keep what they were restored with
+        assert algo.get_state()["m2po"]["sampler"]["partials"].keys() == resumed.keys()
+        after = _record_trained_ids(algo)
+        rollouts, update = [], algo._update
+
+        def spy(rollout):
+            rollouts.append({k: np.array(rollout[k]) for k in ("sample_id", "response_ids", "token_version")})
+            return update(rollout)
+
+        algo._update = spy
+        algo.train()
+        pids = algo.env_runner_group.foreach_env_runner(lambda r: os.getpid(), local_env_runner=False)
+        assert algo.sampler.admission.num_in_flight(1) > 0
+        os.kill(pids[0], signal.SIGKILL)  # runner 1 dies with rounds in its engine
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            result = algo.train()
+            ages.append(result["learners"]["default_policy"]["staleness/trained_max"])
+            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1 and len(ages) >= 6:
+                break
+        assert result["fault_tolerance"]["num_remote_worker_restarts"] >= 1
+        assert algo.policy_version == algo.iteration * algo.config.updates_per_step
+    finally:
+        algo.stop()
+    assert max(ages) <= 4
+    trained = np.concatenate(before + after).tolist()
+    assert sorted(trained) == list(range(len(trained)))  # each sample once, whole rounds (hence groups)
+    # every resumed round was trained (a round of the killed runner resumed again elsewhere),
+    # each row beginning with its saved tokens and versions
+    rows = {int(i): (r["response_ids"][j], r["token_version"][j]) for r in rollouts for j, i in enumerate(r["sample_id"])}
+    rows_per_round = algo.sampler.rows_per_round
+    for n, entry in resumed.items():
+        samples = [p for i in sorted(entry["resume"]) for p in entry["resume"][i]]
+        for j, p in enumerate(samples):
+            ids, versions = rows[n * rows_per_round + j]
+            k = len(p.token_ids)
+            assert ids[:k].tolist() == p.token_ids and versions[:k].tolist() == p.versions

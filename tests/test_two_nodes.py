@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -202,7 +201,8 @@ def test_a_worker_node_lost_mid_run_loses_no_sample_and_its_runners_resume_on_a_
     head, worker = two_nodes.head.node_id(), two_nodes.workers[0].node_id()
     bound = 3
     driver = _driver_module().DriverProcess(dict(address=two_nodes.address, model=tiny_model_dir, engine="hf", runners=2, learners=1,
-                         max_staleness=bound, before=3, after=4, deadline_s=180), tmp_path / "driver.log")
+                         max_staleness=bound, before=3, after=4, deadline_s=180), tmp_path / "driver.log",
+                                                    two_nodes.driver_env())
     try:
         placed = driver.event("placed")
         assert placed["env_runners"] == {"1": worker, "2": worker}  # the runners' resource is the worker's

@@ -40,8 +40,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray
 
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.config_io import apply_overrides, load_spec
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.config.from_yaml import apply_overrides, load_spec
 
     spec = apply_overrides(load_spec(str(CONFIG)), OVERRIDES)
     spec.pop("run", None)

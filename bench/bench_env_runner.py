@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def measure(engine: str, rounds: int) -> dict:
-    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config.algorithm_config import M2POConfig
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
     from m2po_rllib.rollout.rounds import sampling_config
 

@@ -66,7 +66,7 @@ def main() -> None:
 
     from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config.algorithm_config import M2POConfig
     from m2po_rllib.losses import compute_advantages
     from m2po_rllib.rollout.env_runner import LLMEnvRunner, make_text_env
     from m2po_rllib.wire.batch import to_train_batch

@@ -46,9 +46,9 @@ def hand_loop(steps: int, warm: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.reward import shared_verifier
-    from m2po_rllib.rollout.rounds import round_seed
     from m2po_rllib.models.builtin import resolve_model_path
     from m2po_rllib.rollout.env_runner import make_text_env
+    from m2po_rllib.rollout.rounds import round_seed
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -130,8 +130,8 @@ def project(steps: int, warm: int) -> dict:
     import ray
     from torch.utils.tensorboard import SummaryWriter
 
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.config_io import load_spec
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.config.from_yaml import load_spec
     from m2po_rllib.jobs.history import history_record, tensorboard_scalars
 
     spec = load_spec(str(REPO / "configs" / "default.yaml"))

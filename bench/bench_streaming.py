@@ -56,8 +56,8 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
     import numpy as np
     import ray
 
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.config_io import apply_overrides, load_spec
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.config.from_yaml import apply_overrides, load_spec
 
     spec = apply_overrides(load_spec(str(CONFIG)), BASE + VARIANTS[variant] + [f"debugging.seed={seed}"])
     spec.pop("run", None)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from m2po_rllib.net import free_port
+from m2po_rllib.common.net import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

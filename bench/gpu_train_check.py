@@ -136,7 +136,7 @@ def _mean(values) -> float | None:
 
 def summarize(records: list[dict], params: int, peak_flops: float | None) -> dict:
     """The run's figures from its iterations' records (see the module docstring)."""
-    from m2po_rllib import keys
+    from m2po_rllib.common import keys
 
     training = [r for r in records if r["updates"] > 0]  # the queue has filled
     out: dict = {"iterations": len(records), "updates": records[-1]["policy_version"] if records else 0}
@@ -155,7 +155,7 @@ def summarize(records: list[dict], params: int, peak_flops: float | None) -> dic
 
 
 def record(result: dict, t: float, previous_version: int) -> dict:
-    from m2po_rllib import keys
+    from m2po_rllib.common import keys
 
     version = int(result[keys.POLICY_VERSION])
     row = {"t": t, "policy_version": version, "updates": version - previous_version}
@@ -175,8 +175,8 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.durable import write_json
+    from m2po_rllib.common.durable import write_json
+    from m2po_rllib.config.algorithm_config import M2POConfig
     from m2po_rllib.jobs.plan import GiB, plan
 
     on_gpu = torch.cuda.is_available() and not args.dry_run

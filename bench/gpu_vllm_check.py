@@ -135,8 +135,8 @@ def main() -> int:
 
     import torch
 
+    from m2po_rllib.common.net import free_port
     from m2po_rllib.rollout.vllm_engine import VLLMEngine
-    from m2po_rllib.net import free_port
     from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     report = Report(Path(args.out))

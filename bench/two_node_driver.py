@@ -62,8 +62,8 @@ def main(args: dict) -> None:
     import ray
 
     ray.init(address=args["address"], log_to_driver=False)
-    from m2po_rllib import keys
-    from m2po_rllib.resources import placement
+    from m2po_rllib.common import keys
+    from m2po_rllib.driver.resources import placement
     from m2po_rllib.rollout import runners_down
 
     notices: list[str] = []  # what the run said while its runners were down

@@ -6,9 +6,13 @@ that importing the loss library stays cheap.
 
 __version__ = "0.1.0"
 
+from m2po_rllib import moved
+
+moved.install()  # old module paths, for checkpoints pickled before the root was grouped
+
 _LAZY = {
-    "M2POConfig": "m2po_rllib.config",
-    "M2PO": "m2po_rllib.m2po",
+    "M2POConfig": "m2po_rllib.config.algorithm_config",
+    "M2PO": "m2po_rllib.driver.m2po",
 }
 
 

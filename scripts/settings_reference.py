@@ -1,5 +1,5 @@
 """MkDocs hook: the settings page's table of M2PO's own settings, generated from
-`m2po_rllib/config.py` at build time, so the page cannot drift from the code.
+`m2po_rllib/config/algorithm_config.py` at build time, so the page cannot drift from the code.
 
 A setting is M2PO's own when `M2POConfig.training()`, `env_runners()` or `evaluation()` takes
 it by name; its default is what `M2POConfig()` holds, and its meaning the comment block above
@@ -11,8 +11,8 @@ import ast
 import re
 from pathlib import Path
 
-MARKER = "<!-- settings-reference: generated from m2po_rllib/config.py -->"
-CONFIG = Path(__file__).resolve().parents[1] / "m2po_rllib" / "config.py"
+MARKER = "<!-- settings-reference: generated from m2po_rllib/config/algorithm_config.py -->"
+CONFIG = Path(__file__).resolve().parents[1] / "m2po_rllib" / "config" / "algorithm_config.py"
 METHODS = ("training", "env_runners", "evaluation")
 ASSIGNMENT = re.compile(r"^\s*self\.\w+ = ")
 
@@ -63,7 +63,7 @@ def table() -> str:
         for name in names:
             meaning = said.get(name, "")
             if not meaning:
-                raise ValueError(f"m2po_rllib/config.py: `{name}` has no comment above its assignment in __init__")
+                raise ValueError(f"m2po_rllib/config/algorithm_config.py: `{name}` has no comment above its assignment in __init__")
             if groups and groups[-1][1] == meaning:
                 groups[-1][0].append(name)
             else:

@@ -7,7 +7,7 @@ import psutil
 
 def ray_processes_of(pid: int) -> list[psutil.Process]:
     """Every process below `pid` (its local Ray: GCS, raylet, agents, workers), less the
-    watchdog that ends them (`m2po_rllib/ray_watchdog.py`)."""
+    watchdog that ends them (`m2po_rllib/common/ray_watchdog.py`)."""
     return [p for p in psutil.Process(pid).children(recursive=True) if "ray_watchdog" not in " ".join(p.cmdline())]
 
 

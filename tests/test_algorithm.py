@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 import _test_envs  # noqa: E402
 from m2po_rllib import M2POConfig  # noqa: E402
-from m2po_rllib.errors import ConfigError  # noqa: E402
+from m2po_rllib.common.errors import ConfigError  # noqa: E402
 from m2po_rllib.wire.batch import learner_order  # noqa: E402
 from m2po_rllib.wire.batch import concat_rollouts, pack_rollouts, to_train_batch  # noqa: E402
 
@@ -230,7 +230,7 @@ def test_an_engine_in_another_dtype_without_recomputed_logp_is_announced_once(ti
     """A bf16 engine beside an fp32 learner is valid, but its log-probs carry the engine's
     numerics into every ratio: validate() says so (once), and not when they are recomputed."""
     cfg = tiny_config(tiny_model_dir).env_runners(engine_kwargs={"dtype": "bfloat16"})
-    with caplog.at_level("WARNING", logger="m2po_rllib.validation"):
+    with caplog.at_level("WARNING", logger="m2po_rllib.config.validation"):
         cfg.validate()
         cfg.validate()
         tiny_config(tiny_model_dir, recompute_behavior_logp=True).env_runners(engine_kwargs={"dtype": "bfloat16"}).validate()

@@ -1,4 +1,4 @@
-"""A checkpoint survives a kill at any moment of its save (m2po_rllib/checkpoints.py): the
+"""A checkpoint survives a kill at any moment of its save (m2po_rllib/driver/checkpoints.py): the
 directory protocol under a crash injected at every step, the algorithm's own save (sync and
 async) under the same, and a real `kill -9` of `m2po train` in the middle of a save."""
 
@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from m2po_rllib import checkpoints, durable
+from m2po_rllib.driver import checkpoints
+
+from m2po_rllib.common import durable
 
 
 class Killed(BaseException):
@@ -256,3 +259,22 @@ def _iteration(run: Path) -> int:
         return json.loads((run / "summary.json").read_text())["iterations"]
     except (FileNotFoundError, ValueError, KeyError):
         return 0
+
+
+def test_classes_pickled_under_their_module_paths_before_the_root_was_grouped_load():
+    """Checkpoints written before the root was grouped (driver/, config/, common/) pickle the
+    old module paths (`m2po_rllib.m2po.M2PO` in RLlib's class_and_ctor_args.pkl): they
+    resolve to the moved modules' classes, the very same objects."""
+    from m2po_rllib.common.errors import ConfigError
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.driver.m2po import M2PO
+    from m2po_rllib.driver.pace import IterationPace
+
+    for old_module, cls in [("m2po_rllib.m2po", M2PO), ("m2po_rllib.config", M2POConfig),
+                            ("m2po_rllib.errors", ConfigError), ("m2po_rllib.pace", IterationPace)]:
+        assert pickle.loads(f"c{old_module}\n{cls.__name__}\n.".encode()) is cls
+    import importlib
+
+    import m2po_rllib.config.validation.values as moved
+
+    assert importlib.import_module("m2po_rllib.validation.values") is moved

@@ -133,7 +133,7 @@ def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, capfd, monkey
 def test_a_local_learner_on_a_gpu_this_machine_lacks_is_one_line_before_anything_starts(tmp_path, capfd, monkeypatch):
     """`num_gpus_per_learner=1` with the learner in this process, on a GPU index past this
     machine's real GPUs (none here): refused before Ray starts or a run directory exists."""
-    from m2po_rllib.resources import visible_gpus
+    from m2po_rllib.driver.resources import visible_gpus
 
     gpus = visible_gpus()
     monkeypatch.chdir(REPO)
@@ -377,7 +377,7 @@ def test_the_record_survives_a_crash_like_the_checkpoint(tmp_path, capfd, monkey
     checkpoint of iteration 2) leaves history.json and summary.json as of that checkpoint;
     --resume redoes iteration 3 and the record runs on: one history from iteration 1, the
     start accuracy kept, the training time of both parts."""
-    from m2po_rllib.m2po import M2PO
+    from m2po_rllib.driver.m2po import M2PO
 
     run = tmp_path / "run"
     train = M2PO.train

@@ -9,8 +9,8 @@ import logging
 import numpy as np
 import pytest
 
-from m2po_rllib import keys
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common import keys
+from m2po_rllib.common.errors import ConfigError
 
 from test_algorithm import tiny_config
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.losses import POLICY_LOSSES, compute_policy_loss
 from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS, mismatch_metrics, rollout_correction
 
@@ -131,7 +131,7 @@ def test_one_rule_for_the_bounds_in_the_loss_and_in_validate(name, bounds, setti
     `correction.bound_errors`)."""
     from test_algorithm import tiny_config
 
-    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.common.errors import ConfigError
 
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=re.escape(why)):

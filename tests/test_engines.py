@@ -282,10 +282,10 @@ def test_the_hf_engine_computes_its_head_in_fp32_when_asked(tiny_model_dir, prom
 
 
 def test_the_truncation_rule_is_vllms():
-    """`m2po_rllib.truncation` keeps the tokens vLLM's own sampler keeps (its PyTorch rule,
+    """`m2po_rllib.common.truncation` keeps the tokens vLLM's own sampler keeps (its PyTorch rule,
     the one vLLM runs on CPU), ties included, for top-k, top-p and both."""
     vllm_ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
-    from m2po_rllib.truncation import dropped_tokens
+    from m2po_rllib.common.truncation import dropped_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=g) * 3
@@ -535,7 +535,7 @@ def test_native_transfer_over_gloo_moves_the_policy_in_buckets_and_keeps_version
     in small buckets, and the engine serves exactly that model; versions only move forward,
     and the original weights come back the same way."""
 
-    from m2po_rllib.net import free_port
+    from m2po_rllib.common.net import free_port
     from m2po_rllib.sync.sender import EngineTarget, NativeWeightSender, RunnerGroupClient
 
     greedy = SamplingConfig(max_tokens=16, temperature=0)
@@ -613,7 +613,7 @@ def test_vllm_reload_drops_only_the_rotary_warning():
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
 
-    from m2po_rllib.log_filters import quiet_vllm_rotary_reload
+    from m2po_rllib.common.log_filters import quiet_vllm_rotary_reload
 
     with set_current_vllm_config(VllmConfig()):
         model = torch.nn.ModuleDict({"rope": get_rope(8, max_position=32), "proj": torch.nn.Linear(2, 2)})

@@ -11,8 +11,9 @@ import torch
 
 import envs  # noqa: F401  (registers the env ids)
 from envs.tool_env import ToolMathEnv, parse_call
-from m2po_rllib import M2POConfig, keys
-from m2po_rllib.errors import ConfigError
+from m2po_rllib import M2POConfig
+from m2po_rllib.common import keys
+from m2po_rllib.common.errors import ConfigError
 from m2po_rllib.losses import compute_policy_loss, m2po_keep_mask
 from m2po_rllib.models.builtin import resolve_model_path
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation's sizing (m2po_rllib/evaluation.py), without Ray actors."""
+"""Held-out evaluation's sizing (m2po_rllib/driver/evaluation.py), without Ray actors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
     (7, "the held-out split has 7 problems, fewer than evaluation_duration=50: evaluating all 7"),
 ])
 def test_a_short_heldout_split_is_evaluated_whole_and_said_in_good_english(caplog, monkeypatch, size, said):
-    from m2po_rllib import evaluation
+    from m2po_rllib.driver import evaluation
 
     monkeypatch.setattr(evaluation, "_warned", set())
     runner = SimpleNamespace(num_problems=lambda split: size)

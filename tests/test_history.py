@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.jobs.history import tensorboard_scalars
 
 

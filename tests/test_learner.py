@@ -135,7 +135,7 @@ def test_an_update_reports_squared_log_ratios_by_age_over_the_tokens_the_loss_se
     micro-batched as whole, each row counted once."""
     from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-    from m2po_rllib.keys import M2_BY_AGE_KEY
+    from m2po_rllib.common.keys import M2_BY_AGE_KEY
     from m2po_rllib.losses.correction import rollout_correction
 
     train = _batch(tiny_model_dir)

@@ -1,11 +1,11 @@
-"""The driver's one polling loop (`m2po_rllib.learners.wait_until`): it returns once done,
+"""The driver's one polling loop (`m2po_rllib.driver.learners.wait_until`): it returns once done,
 keeps waiting while there is progress, and names what is stuck when there is none."""
 
 from __future__ import annotations
 
 import pytest
 
-from m2po_rllib.learners import wait_until
+from m2po_rllib.driver.learners import wait_until
 
 
 def test_it_waits_through_slow_progress_and_returns_when_done():

@@ -31,7 +31,7 @@ def test_the_gputil_hint_is_dropped_only_on_a_machine_without_gpus(monkeypatch):
     """Every Algorithm (a Tune Trainable) starts Ray Tune's UtilMonitor, which asks for
     GPUtil even without GPUs. Without GPUs that one line is dropped (the logger's other
     messages still pass); with GPUs it is a real hint and stays."""
-    from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus
+    from m2po_rllib.common.log_filters import quiet_gputil_hint_without_gpus
 
     logger = logging.getLogger("ray.tune.utils.util")
     monkeypatch.setattr(logger, "filters", [])  # as in a fresh process; restored afterwards
@@ -51,7 +51,7 @@ def test_rllibs_new_api_stack_notice_is_dropped_for_m2po_only():
     """RLlib logs "You are running M2PO on the new API stack! ... set config.api_stack(...)"
     on every build; M2PO has no old stack to go back to, so that line (and only that one,
     for M2PO only) is dropped once the algorithm is imported."""
-    import m2po_rllib.m2po  # noqa: F401  (installs the filter)
+    import m2po_rllib.driver.m2po  # noqa: F401  (installs the filter)
 
     logger = logging.getLogger("ray.rllib.algorithms.algorithm_config")
     seen: list[str] = []
@@ -78,7 +78,7 @@ def test_vllm_logs_warnings_only_and_not_its_advisories(monkeypatch):
     import vllm.logger
     from vllm.config.logging import LoggingConfig
 
-    from m2po_rllib.log_filters import VLLM_LOGGING_CONFIG
+    from m2po_rllib.common.log_filters import VLLM_LOGGING_CONFIG
 
     vllm_root = logging.getLogger("vllm")
     for attr in ("handlers", "filters", "level", "propagate"):  # restored afterwards
@@ -106,7 +106,7 @@ def test_the_vllm_engine_passes_that_config_unless_the_user_chose_one(monkeypatc
     user who set vLLM's logging (VLLM_LOGGING_LEVEL, or `engine_kwargs: {log_level: ...}`)
     keeps theirs."""
     vllm = pytest.importorskip("vllm")
-    from m2po_rllib.log_filters import VLLM_LOGGING_CONFIG, VLLM_LOGGING_ENV
+    from m2po_rllib.common.log_filters import VLLM_LOGGING_CONFIG, VLLM_LOGGING_ENV
     from m2po_rllib.rollout.vllm_engine import VLLMEngine
 
     seen = {}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import m2po_rllib.losses.mask as mask_module
-from m2po_rllib.net import free_port
+from m2po_rllib.common.net import free_port
 from m2po_rllib.losses import (
     LOCAL,
     POLICY_LOSSES,

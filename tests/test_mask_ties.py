@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import m2po_rllib.losses.mask as mask_module
 from _references import plain_m2po_keep
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.losses import compute_policy_loss, m2po_keep_mask, m2po_keep_mask_global
 
 # Dyadic log-ratios: squares and their sums are exact in float32 / float64, so the cut is

@@ -160,7 +160,7 @@ def test_plan_compares_the_actors_with_this_machine(capsys, monkeypatch):
 def test_plan_compares_the_gpus_with_the_node(capsys):
     """The GPUs a config asks for against `--gpus` (the node planned for), or by default this
     machine's real GPUs (none here)."""
-    from m2po_rllib.resources import visible_gpus
+    from m2po_rllib.driver.resources import visible_gpus
 
     assert main(["plan", "--config", QWEN3_STALE0, "--gpus", "8"]) == 0  # 8 runners + 8 learners
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

@@ -162,7 +162,7 @@ def test_report_over_a_directory_without_runs_says_so(tmp_path, capsys):
 # -- a real Tune search: `m2po lab` -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def lab_experiment(tmp_path_factory, ray_tmp) -> Path:
-    from m2po_rllib.config_io import apply_overrides, load_spec
+    from m2po_rllib.config.from_yaml import apply_overrides, load_spec
 
     root = tmp_path_factory.mktemp("lab")
     base = apply_overrides(load_spec(str(REPO / "configs" / "default.yaml")), SMALL)
@@ -306,8 +306,8 @@ def test_phase_map_cells_shared_on_policy_runs_and_collapses(tmp_path):
     """The staleness x lr map: a cell's final/best are its runs' mean and std; a loss with no
     on-policy run borrows the one loss's that has them (marked); collapsed runs are counted;
     a single learning rate is no map."""
-    from m2po_rllib.jobs.report_plots import _phase_map
     from m2po_rllib.jobs.phase_map import phase_map, phase_markdown
+    from m2po_rllib.jobs.report_plots import _phase_map
     from m2po_rllib.jobs.runs import Run, group_variants
 
     def run(loss, staleness, lr, seed, accs, collapse=None):

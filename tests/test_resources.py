@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from m2po_rllib.config import M2POConfig
-from m2po_rllib.config_io import load_spec
-from m2po_rllib.m2po import M2PO
+from m2po_rllib.config.from_yaml import load_spec
+from m2po_rllib.driver.m2po import M2PO
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER_CONFIGS = sorted(p.stem for p in CONFIGS.glob("paper_*.yaml"))
@@ -85,8 +85,8 @@ def _actor_config(tiny_model_dir, runners: int, runner_cpus: float, learners: in
 
 
 def test_actors_larger_than_a_local_cluster_fail_with_the_arithmetic(tiny_model_dir):
-    from m2po_rllib.errors import ConfigError
-    from m2po_rllib.resources import check_actors_fit
+    from m2po_rllib.common.errors import ConfigError
+    from m2po_rllib.driver.resources import check_actors_fit
 
     config = _actor_config(tiny_model_dir, runners=2, runner_cpus=1, learners=1)
     bundles = M2PO.default_resource_request(config).bundles
@@ -106,7 +106,7 @@ def test_actors_larger_than_a_local_cluster_fail_with_the_arithmetic(tiny_model_
 def test_waiting_actors_are_announced_until_the_resources_are_free():
     import time
 
-    from m2po_rllib.resources import WaitingNotice
+    from m2po_rllib.driver.resources import WaitingNotice
 
     free = [{"CPU": 1.0}]
     lines: list[str] = []
@@ -132,7 +132,7 @@ def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_m
 
     import ray
 
-    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.common.errors import ConfigError
 
     before = ray.available_resources().get("CPU")
     t0 = time.monotonic()
@@ -144,8 +144,8 @@ def test_build_algo_fails_at_once_when_the_actors_cannot_fit(ray_session, tiny_m
 
 def _refused(config, cluster: dict[str, float]):
     """The `ConfigError` with which `check_actors_fit` refuses `config` on a local Ray of `cluster`."""
-    from m2po_rllib.errors import ConfigError
-    from m2po_rllib.resources import check_actors_fit
+    from m2po_rllib.common.errors import ConfigError
+    from m2po_rllib.driver.resources import check_actors_fit
 
     with pytest.raises(ConfigError) as err:
         check_actors_fit(config, M2PO.default_resource_request(config).bundles, cluster=cluster, local=True)
@@ -156,7 +156,7 @@ def test_a_custom_resource_no_node_offers_is_refused_with_how_to_offer_it(tiny_m
     """Runners pinned to nodes with `{"rollout_node": 1}` (a cluster's worker nodes) on a
     local Ray without that resource would wait forever: refused, with the arithmetic and the
     two fixes (start nodes that offer it, or drop it)."""
-    from m2po_rllib.resources import check_actors_fit
+    from m2po_rllib.driver.resources import check_actors_fit
 
     config = _actor_config(tiny_model_dir, runners=2, runner_cpus=0.5, learners=0).env_runners(
         custom_resources_per_env_runner={"rollout_node": 1})
@@ -201,7 +201,7 @@ def test_the_run_says_which_runners_are_down_every_period_and_when_they_are_back
 
 
 def test_placement_reads_as_one_line_per_node():
-    from m2po_rllib.resources import describe_placement
+    from m2po_rllib.driver.resources import describe_placement
 
     where = {"driver": "aaaa1111ffff", "env_runners": {1: "bbbb2222ffff", 2: "bbbb2222ffff", 3: "aaaa1111ffff"},
              "learners": ["aaaa1111ffff", "aaaa1111ffff"]}
@@ -232,8 +232,8 @@ def test_a_gpu_shortage_names_the_gpu_settings_not_the_cpu_ones(tiny_model_dir):
 def test_a_local_learner_asks_for_a_gpu_this_process_has(tiny_model_dir):
     """With this machine's real GPUs (none here): a learner in this process on a GPU index
     past them is refused at build, before Ray or the learner starts, naming what it saw."""
-    from m2po_rllib.errors import ConfigError
-    from m2po_rllib.resources import visible_gpus
+    from m2po_rllib.common.errors import ConfigError
+    from m2po_rllib.driver.resources import visible_gpus
 
     gpus = visible_gpus()
     config = _actor_config(tiny_model_dir, runners=0, runner_cpus=1, learners=0).learners(
@@ -246,7 +246,7 @@ def test_a_local_learner_asks_for_a_gpu_this_process_has(tiny_model_dir):
 
 
 def test_gpus_for_runners_that_do_not_exist_are_refused(tiny_model_dir):
-    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.common.errors import ConfigError
 
     config = _actor_config(tiny_model_dir, runners=0, runner_cpus=1, learners=0).env_runners(num_gpus_per_env_runner=1)
     with pytest.raises(ConfigError, match=r"`num_env_runners` is 0: no runner would get them") as err:
@@ -263,7 +263,7 @@ def test_build_algo_fails_at_once_when_the_gpus_are_missing(ray_session, tiny_mo
     more than that is refused before any actor is made, with the GPU settings as the fix."""
     import ray
 
-    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.common.errors import ConfigError
 
     have = ray.cluster_resources().get("GPU", 0.0)
     config = _actor_config(tiny_model_dir, runners=1, runner_cpus=0.5, learners=0).env_runners(

@@ -195,7 +195,7 @@ def test_evaluation_waits_for_the_groups_in_flight_and_streaming_goes_on(tiny_mo
     (dict(weight_sync="native", rollout_engine="vllm"), "set inflight_weight_updates=True"),
 ])
 def test_streaming_settings_it_cannot_serve_are_refused(tiny_model_dir, settings, needle):
-    from m2po_rllib.errors import ConfigError
+    from m2po_rllib.common.errors import ConfigError
 
     named = "inflight_weight_updates" if "inflight_weight_updates" in settings else "streaming"
     cfg = tiny_config(tiny_model_dir, async_rollouts=settings.pop("async_rollouts", True), max_staleness=3,
@@ -218,7 +218,7 @@ def test_inflight_weight_updates_train_each_sample_once_with_ages_from_the_oldes
     age (`max_staleness`); rows span versions; each sample is trained once."""
     from test_async import _async_config
 
-    from m2po_rllib import keys
+    from m2po_rllib.common import keys
 
     cfg = (_async_config(tiny_model_dir, max_staleness=8)  # room for rounds in flight when weights arrive
            .env_runners(num_env_runners=1, streaming=True, inflight_weight_updates=True, max_new_tokens=24))

@@ -14,8 +14,10 @@ import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from m2po_rllib import M2POConfig, keys  # noqa: E402
-from m2po_rllib.learners import on_learners  # noqa: E402
+from m2po_rllib import M2POConfig  # noqa: E402
+
+from m2po_rllib.common import keys
+from m2po_rllib.driver.learners import on_learners  # noqa: E402
 from m2po_rllib.sync.transports import weight_layout  # noqa: E402
 from m2po_rllib.wire.batch import to_train_batch  # noqa: E402
 

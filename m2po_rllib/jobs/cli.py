@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
 from m2po_rllib.jobs.run_dir import DEFAULT_CONFIG, default_config_path
 
 def build_parser() -> argparse.ArgumentParser:

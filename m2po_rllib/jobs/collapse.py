@@ -28,10 +28,10 @@ from typing import Any
 from ray.tune import Callback, Stopper
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib import keys
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common import keys
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.common.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.jobs.history import CLIPPED_FRAC, ENTROPY_CLIPPED, FIELDS, first, heldout_accuracy, lookup
-from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 COLLAPSE_REASON = "collapse_reason"
 COLLAPSE_FILE = "collapse.json"

@@ -1,5 +1,5 @@
 """The per-iteration history record built from a training result (keys from
-`m2po_rllib.keys`): one table shared by `m2po train` (history.json), the collapse stopper
+`m2po_rllib.common.keys`): one table shared by `m2po train` (history.json), the collapse stopper
 and `m2po report`.
 
 A result is RLlib's nested training result (`Algorithm.train()`, Tune's result.json) or its
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from m2po_rllib import keys
-from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION, learner, runner
+from m2po_rllib.common import keys
+from m2po_rllib.common.keys import HELDOUT_ACCURACY, POLICY_VERSION, learner, runner
 
 # history field -> result path
 FIELDS: dict[str, tuple[str, ...]] = {

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.config import M2POConfig
-from m2po_rllib.config_io import JOB_SECTION, SECTIONS, apply_overrides, load_spec, parse_value
-from m2po_rllib import keys
-from m2po_rllib.keys import HELDOUT_ACCURACY
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common import keys
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.common.keys import HELDOUT_ACCURACY
+from m2po_rllib.config.algorithm_config import M2POConfig
+from m2po_rllib.config.from_yaml import JOB_SECTION, SECTIONS, apply_overrides, load_spec, parse_value
 
 SPACE_KEYS = {"name", "base", "overrides", "grid", "stop", "scheduler", "collapse", "max_concurrent", "max_failures",
               "checkpoint_every"}
@@ -96,7 +96,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, stop_overri
     """Read a search space and validate every trial's config; ConfigError naming the file,
     the key and the fix on the first bad one. `stop_override` (`key=value` items, e.g. from `m2po lab
     --stop policy_version=40`) replaces the space's stop rule: a shorter trial for a try."""
-    from m2po_rllib.config_io import parse_override
+    from m2po_rllib.config.from_yaml import parse_override
 
     path = Path(path)
     if not path.exists():
@@ -184,7 +184,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, stop_overri
 
 def trial_resources(config) -> dict[str, float]:
     """CPUs and GPUs of a trial's placement group (main process, EnvRunners, Learners)."""
-    from m2po_rllib.m2po import M2PO
+    from m2po_rllib.driver.m2po import M2PO
 
     bundles = M2PO.default_resource_request(config).bundles
     return {r: float(sum(b.get(r, 0) for b in bundles)) for r in ("CPU", "GPU")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from m2po_rllib.ray_watchdog import end_with_this_process
+from m2po_rllib.common.ray_watchdog import end_with_this_process
 
 logger = logging.getLogger(__name__)
 

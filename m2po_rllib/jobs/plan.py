@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
 
 GiB = 2**30
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"
@@ -175,8 +175,8 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
          gpus: int | None = None) -> dict:
     """Everything `m2po plan` prints, as data. `gpus`: the GPUs of the node or cluster planned
     for (None: this machine's)."""
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.m2po import M2PO
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.driver.m2po import M2PO
 
     config = M2POConfig.from_yaml(config_path, overrides=overrides)
     bundles = M2PO.default_resource_request(config).bundles  # validates the config
@@ -215,7 +215,7 @@ def plan(config_path: str, gpu_memory_gb: float = 80.0, overrides=None, prompt_l
 
     gpus_needed = sum(b.get("GPU", 0) for b in bundles)
     if gpus is None:
-        from m2po_rllib.resources import visible_gpus
+        from m2po_rllib.driver.resources import visible_gpus
 
         gpus, gpus_from = visible_gpus(), "this machine"
     else:

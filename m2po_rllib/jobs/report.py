@@ -19,14 +19,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib import durable
-from m2po_rllib.errors import ConfigError
-from m2po_rllib.jobs.claims import MARGIN, claims_markdown, evaluate_claims, reference
+from m2po_rllib.common import durable
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.common.keys import POLICY_VERSION
 from m2po_rllib.jobs import regime, steady
+from m2po_rllib.jobs.claims import MARGIN, claims_markdown, evaluate_claims, reference
 from m2po_rllib.jobs.falls import FALL_DROP, MIN_BEST, Z_FALL
 from m2po_rllib.jobs.phase_map import phase_map, phase_markdown
 from m2po_rllib.jobs.runs import LAST_K, Run, Variant, find_runs, group_variants, mean_std, updates_per_s
-from m2po_rllib.keys import POLICY_VERSION
 
 
 def summarize(variant: Variant, out_dir: Path) -> dict[str, Any]:

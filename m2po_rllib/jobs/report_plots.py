@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from m2po_rllib.common.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.jobs.phase_map import phase_map
 from m2po_rllib.jobs.runs import Variant, mean_std, order, updates_per_s
 from m2po_rllib.rollout.staleness import AUTO
-from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 
 
 def _plt():

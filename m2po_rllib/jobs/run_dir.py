@@ -16,14 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib.config_io import (
+from m2po_rllib.config.from_yaml import (
     JOB_SECTION,
     apply_overrides,
     load_spec,
     parse_override,
 )
-from m2po_rllib import checkpoints, durable
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common import durable
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.driver import checkpoints
 
 # tensorboard: "default" writes the history record's fields, the timers and the pace
 # metrics (~40 scalars); "all" every number of the result (~200).
@@ -64,7 +65,7 @@ def default_config_path() -> str:
     return str(resources.files("m2po_rllib") / "configs" / "default.yaml")
 
 def _config(spec: dict):
-    from m2po_rllib.config import M2POConfig  # here, so that `m2po --help` does not import Ray
+    from m2po_rllib.config.algorithm_config import M2POConfig  # here, so that `m2po --help` does not import Ray
 
     return M2POConfig.from_spec(spec)
 

@@ -19,11 +19,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.common.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.jobs.falls import Fall, falls
 from m2po_rllib.jobs.history import history_record
 from m2po_rllib.jobs.stats import headline
-from m2po_rllib.keys import HELDOUT_ACCURACY, POLICY_VERSION
 from m2po_rllib.rollout.staleness import AUTO
 
 SETTINGS = ("policy_loss", "async_rollouts", "staleness", "max_staleness", "m2_threshold", "lr", "seed",
@@ -165,7 +165,7 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 # -- reading runs --------------------------------------------------------------------------
 def _train_run(path: Path, last_k: int) -> Run:
-    from m2po_rllib.config import M2POConfig
+    from m2po_rllib.config.algorithm_config import M2POConfig
 
     meta = json.loads((path / "run.json").read_text())
     cfg = M2POConfig.from_spec({k: v for k, v in meta["spec"].items() if k != "run"})

@@ -20,8 +20,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
+from m2po_rllib.common.keys import POLICY_VERSION
 from m2po_rllib.jobs.stats import per_seed
-from m2po_rllib.keys import POLICY_VERSION
 
 KINDS = ("masked", "clipped")  # masked_frac (M2PO), clipped_frac (the clip losses)
 

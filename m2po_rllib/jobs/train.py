@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m2po_rllib import durable, keys
+from m2po_rllib.common import durable, keys
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.driver.resources import check_local_learner_gpus, describe_placement, node_names, placement
 from m2po_rllib.jobs import run_dir as runs
 from m2po_rllib.jobs.ctrl_c import CtrlC
-from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
-from m2po_rllib.resources import check_local_learner_gpus, describe_placement, node_names, placement
 from m2po_rllib.jobs.history import history_record, tensorboard_scalars
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.jobs.local_ray import init_ray, quiet_job_logs
 
 EVAL_ACC = keys.EVAL_ACCURACY_PATH
 logger = logging.getLogger(__name__)
@@ -319,8 +319,8 @@ def run_eval(
 ) -> int:
     import tempfile
 
-    from m2po_rllib.config import M2POConfig
-    from m2po_rllib.config_io import apply_overrides, load_spec
+    from m2po_rllib.config.algorithm_config import M2POConfig
+    from m2po_rllib.config.from_yaml import apply_overrides, load_spec
     from m2po_rllib.jobs.export import export_checkpoint
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.losses._dist import LOCAL, all_gather_cat, all_reduce_sum, world_size
 
 # tau, the M2 budget of the paper and its official code (arXiv 2510.01161): M2POConfig's

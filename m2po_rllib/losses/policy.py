@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.losses._dist import LOCAL, all_reduce_sum, world_size
 from m2po_rllib.losses.aggregation import aggregate_loss
 from m2po_rllib.losses.mask import PAPER_M2_THRESHOLD, _m2po_cut, m2po_official_tau

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
 

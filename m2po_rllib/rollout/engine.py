@@ -10,7 +10,7 @@ Behaviour log-probs (`Completion.logprobs`) are those of the distribution each t
 actually sampled from, which is what the importance ratio in M2PO / GRPO needs:
 - temperature T > 0: `log_softmax(logits / T)[token]`, the same temperature-scaled log-prob
   the learner computes (as verl does); with `top_k` / `top_p` the distribution is
-  additionally restricted to the kept tokens and renormalised (`m2po_rllib.truncation`: the
+  additionally restricted to the kept tokens and renormalised (`m2po_rllib.common.truncation`: the
   rule both engines and the learner apply, so an on-policy ratio stays 1).
 - T == 0 (greedy): `log_softmax(logits)[token]` of the raw logits.
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from m2po_rllib import keys
-from m2po_rllib.threads import cpus
+from m2po_rllib.common import keys
+from m2po_rllib.common.threads import cpus
 from m2po_rllib.wire.weights import PublishedWeights
 
 logger = logging.getLogger(__name__)

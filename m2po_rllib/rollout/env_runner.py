@@ -38,15 +38,15 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.checkpoints import Checkpointable
 
 from envs.reward import shared_verifier
-from m2po_rllib import keys
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common import keys
+from m2po_rllib.common.errors import ConfigError
 from m2po_rllib.rollout.engine_host import EngineHost, model_path
 from m2po_rllib.rollout.evaluate import evaluate_episodes, evaluate_single_turn
 from m2po_rllib.rollout.rounds import (
     episode_rows, request_base, reset_prompts, round_delay_s, sampling_config, single_turn_rows, turn_sampling,
 )
+from m2po_rllib.common.threads import use_cpus
 from m2po_rllib.rollout.streaming import RoundPlan, RoundStream
-from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import pack_rollouts
 from m2po_rllib.wire.weights import PublishedWeights
 

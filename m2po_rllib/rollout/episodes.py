@@ -148,7 +148,7 @@ def play_turn(episode: Episode, completion, max_tokens: int | None, last_turn: b
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Means per episode, by `keys` name."""
-    from m2po_rllib import keys
+    from m2po_rllib.common import keys
 
     n = max(1, len(episodes))
     return {

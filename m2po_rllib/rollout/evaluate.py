@@ -1,5 +1,5 @@
 """Held-out scoring on one EnvRunner, one plain function per mode (the driver's side, which
-spreads the problems over the runners and adds their counts, is `m2po_rllib/evaluation.py`).
+spreads the problems over the runners and adds their counts, is `m2po_rllib/driver/evaluation.py`).
 
 Both return counts, not means, so results from several runners add up exactly:
 `n` problems, `greedy_correct`, `sampled_correct` of `sampled_n` samples (mean@k with

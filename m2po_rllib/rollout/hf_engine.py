@@ -3,7 +3,7 @@
 For tiny models, where vLLM's per-step overhead dominates, and as the reference in parity
 tests. The sampling loop is written out rather than using `model.generate` so that every
 token's behaviour log-prob and every sample's own seeded generator are explicit; its
-semantics (temperature, vLLM's top-k / top-p rule from `m2po_rllib.truncation`, stop
+semantics (temperature, vLLM's top-k / top-p rule from `m2po_rllib.common.truncation`, stop
 strings, seeds per sample, EOS) are those of `engine.py`'s docstring. Streaming
 (`submit` / `step`) goes through the engine's continuous batch, `hf_stream.py`, which also
 loads weights between two decoding steps with groups in flight (`update_weights(...,

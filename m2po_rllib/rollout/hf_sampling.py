@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from m2po_rllib.common.truncation import truncate_logits_
 from m2po_rllib.rollout.engine import SamplingConfig
-from m2po_rllib.truncation import truncate_logits_
 
 
 def sample_next(

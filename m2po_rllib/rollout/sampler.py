@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.rollout.admission import AsyncRollouts
 from m2po_rllib.rollout.env_runner import sample_and_metrics, stream_and_metrics
 from m2po_rllib.rollout.rounds import round_seed

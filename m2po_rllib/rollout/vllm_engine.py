@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 import torch
 
-from m2po_rllib.log_filters import quiet_vllm_logging
+from m2po_rllib.common.log_filters import quiet_vllm_logging
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
 from m2po_rllib.rollout.vllm_health import engine_core_processes, find_death
 from m2po_rllib.rollout.vllm_outputs import check_versions, completions

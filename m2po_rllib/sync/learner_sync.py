@@ -44,7 +44,7 @@ class LearnerWeightSync:
     def connect(self, targets: Sequence, workers_per_target: Sequence[int], version: int) -> dict[str, float] | None:
         """Forms a new group with `targets` (EnvRunner actors; rank 0 only, other ranks pass
         none) and sends the weights as `version`."""
-        from m2po_rllib.net import free_port, node_address
+        from m2po_rllib.common.net import free_port, node_address
 
         self.close()
         client = RunnerGroupClient(targets, workers_per_target) if self.rank == 0 else None
@@ -82,7 +82,7 @@ class LearnerWeightSync:
 
     def metrics(self, stats: dict[str, float] | None) -> dict[str, float]:
         """The metrics of a send that returned `stats` (None: it failed), by `keys` name."""
-        from m2po_rllib import keys
+        from m2po_rllib.common import keys
 
         out = {keys.NATIVE_SYNC_FAILURES: self.failures, keys.NATIVE_SYNC_CONNECTS: self.connects,
                keys.NATIVE_SYNC_VERSION: -1 if stats is None else stats["version"]}

@@ -19,7 +19,7 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from m2po_rllib.log_filters import quiet_vllm_rotary_reload
+        from m2po_rllib.common.log_filters import quiet_vllm_rotary_reload
 
         quiet_vllm_rotary_reload()
 

@@ -31,14 +31,14 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
+from m2po_rllib.common.threads import use_cpus
 from m2po_rllib.losses import LOCAL, compute_policy_loss, m2po_keep_mask_global, m2po_official_tau
 from m2po_rllib.losses.correction import mismatch_metrics, rollout_correction
-from m2po_rllib.threads import use_cpus
 from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.learner_weights import LearnerWeights, world_size
-from m2po_rllib.torch.update_stats import M2ByAge, MinibatchMetrics
 from m2po_rllib.torch.rl_module import ENTROPY, LOGP
+from m2po_rllib.torch.update_stats import M2ByAge, MinibatchMetrics
 from m2po_rllib.wire.batch import row_ages
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from ray.rllib.core import DEFAULT_MODULE_ID
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.torch import fsdp
 from m2po_rllib.wire.weights import PublishedWeights
 

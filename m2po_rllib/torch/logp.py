@@ -16,7 +16,7 @@ cast to float32 for the softmax, as the full-logits path does. The entropy is a
 diagnostic: it is returned without gradient.
 
 Truncated sampling (`top_k`, `top_p`) is replayed: each position's distribution is
-restricted to the tokens the engine's rule keeps (`m2po_rllib.truncation`, applied to the
+restricted to the tokens the engine's rule keeps (`m2po_rllib.common.truncation`, applied to the
 learner's own logits) and renormalised over them, in forward and in backward (the kept
 set is recomputed with the chunk's logits), so an on-policy ratio is 1. A target outside
 the kept set has log-prob -inf.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from m2po_rllib.truncation import dropped_tokens
+from m2po_rllib.common.truncation import dropped_tokens
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -189,7 +189,7 @@ def chunked_logp_entropy(
         chunk_size: positions per chunk over the flattened (B * R) positions; the extra
             memory is ~2 x chunk_size x V x 4 bytes at a time (+ V x H x 4 in backward).
         with_entropy: also return the per-token entropy (float32, no gradient).
-        top_k, top_p: the sampling truncation to replay (`m2po_rllib.truncation`); the
+        top_k, top_p: the sampling truncation to replay (`m2po_rllib.common.truncation`); the
             defaults keep every token.
 
     Returns:

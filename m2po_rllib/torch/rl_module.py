@@ -18,11 +18,11 @@ import torch
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 
+from m2po_rllib.common.truncation import truncate_logits_
 from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
-from m2po_rllib.truncation import truncate_logits_
 
-from m2po_rllib.log_filters import quiet_rllib_module_config_deprecation
+from m2po_rllib.common.log_filters import quiet_rllib_module_config_deprecation
 
 quiet_rllib_module_config_deprecation()
 
@@ -49,7 +49,7 @@ def response_logp_and_entropy(
 
     Logits are divided by `temperature` before the softmax: the log-probs are those of
     the distribution the rollout engine sampled from (as verl computes them), restricted
-    to the `top_k` / `top_p` kept tokens when those truncate (`m2po_rllib.truncation`).
+    to the `top_k` / `top_p` kept tokens when those truncate (`m2po_rllib.common.truncation`).
     Returns `(B, R)` tensors, float32.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 
 # Token-level means and the token count each averages over (default: the valid tokens).
 _MEAN_WEIGHTS = {

@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from m2po_rllib import durable
+from m2po_rllib.common import durable
 
 logger = logging.getLogger(__name__)
 

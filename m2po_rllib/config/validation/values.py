@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import os
 
+from m2po_rllib.config.validation.problems import INT, NUMBER, Problem, is_kind, problem
 from m2po_rllib.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, MASK_SCOPES, POLICY_LOSSES, policy_loss_params
 from m2po_rllib.losses.correction import ROLLOUT_CORRECTIONS, bound_errors
 from m2po_rllib.torch.fsdp import FSDP, SHARDINGS
-from m2po_rllib.validation.problems import INT, NUMBER, Problem, is_kind, problem
 
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -1,4 +1,4 @@
-"""M2PO as an RLlib algorithm (`M2POConfig` lives in config.py).
+"""M2PO as an RLlib algorithm (`M2POConfig` lives in config/algorithm_config.py).
 
 `M2PO.training_step` is RLlib's beats, each in its own `log_time` timer, in both modes:
   1. sample   - the next step's rollouts from the `RolloutSampler` (rollout/sampler.py);
@@ -41,16 +41,17 @@ from ray.rllib.utils.metrics import (
 )
 
 import envs  # noqa: F401  (registers the m2po/* env ids)
-from m2po_rllib import checkpoints, keys
-from m2po_rllib.config import M2POConfig
-from m2po_rllib.learners import LearnerRoom, UpdateReport, wait_until
-from m2po_rllib.pace import IterationPace
-from m2po_rllib.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
+from m2po_rllib.common import keys
+from m2po_rllib.common.log_filters import quiet_gputil_hint_without_gpus, quiet_rllib_new_api_stack_notice
+from m2po_rllib.common.threads import use_cpus
+from m2po_rllib.config.algorithm_config import M2POConfig
+from m2po_rllib.driver import checkpoints
+from m2po_rllib.driver.learners import LearnerRoom, UpdateReport, wait_until
+from m2po_rllib.driver.pace import IterationPace
+from m2po_rllib.driver.resources import actors_placed
 from m2po_rllib.losses import compute_advantages
 from m2po_rllib.losses.correction import mismatch_metrics
-from m2po_rllib.resources import actors_placed
 from m2po_rllib.rollout.sampler import RolloutSampler, runner_actors
-from m2po_rllib.threads import use_cpus
 from m2po_rllib.wire.batch import (
     learner_order, num_rows, row_ages, take_rows, to_train_batch, token_ages, versions_spanned,
 )

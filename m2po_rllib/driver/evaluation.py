@@ -9,8 +9,8 @@ import logging
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, EVALUATION_RESULTS
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from m2po_rllib.errors import ConfigError
-from m2po_rllib.keys import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_PROBLEMS, EVAL_RESPONSE_LEN
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.common.keys import EVAL_ACCURACY, EVAL_MEAN_AT_K, EVAL_PROBLEMS, EVAL_RESPONSE_LEN
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[int, int]] = set()  # (split size, evaluation_duration) already said

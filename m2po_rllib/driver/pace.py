@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 
 
 class IterationPace:

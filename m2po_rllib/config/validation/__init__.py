@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from m2po_rllib.errors import ConfigError
-from m2po_rllib.validation.problems import Check, Problem, check_types, problem
-from m2po_rllib.validation.runners import (
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.config.validation.problems import Check, Problem, check_types, problem
+from m2po_rllib.config.validation.runners import (
     check_colocate,
     check_episode_budget,
     check_gpu_requests,
@@ -24,7 +24,7 @@ from m2po_rllib.validation.runners import (
     check_streaming,
     check_weight_sync,
 )
-from m2po_rllib.validation.values import (
+from m2po_rllib.config.validation.values import (
     MODEL_DTYPES,
     check_batch_shapes,
     check_correction,

@@ -86,7 +86,7 @@ def quiet_rllib_new_api_stack_notice() -> None:
 # with `VLLMAdvisories` on the handler. A dictConfig file, because vLLM applies it itself in
 # each process of an engine (the engine core and its workers are processes of their own,
 # where a filter added in this one would not reach).
-VLLM_LOGGING_CONFIG = Path(__file__).parent / "assets" / "vllm_logging.json"
+VLLM_LOGGING_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "vllm_logging.json"
 # Where the user chose vLLM's logging; then it is left as they set it.
 VLLM_LOGGING_SETTINGS = ("log_level", "logging_config", "log_config_file")
 VLLM_LOGGING_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING")

@@ -7,7 +7,7 @@ child process that waits on a pipe from this process: the pipe closes when this 
 ends, however it ends, and the child then kills exactly the processes it was given and
 their descendants, by PID, each checked against its start time so that a PID the system
 has since reused is left alone. Linux only (it reads /proc); elsewhere it does nothing.
-Run as `python -m m2po_rllib.ray_watchdog PID:START ...` with the pipe on stdin.
+Run as `python -m m2po_rllib.common.ray_watchdog PID:START ...` with the pipe on stdin.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def watch(pids: list[int]) -> subprocess.Popen | None:
         return None
     marked = [f"{pid}:{t}" for pid in descendants(pids) if (t := start_time(pid))]
     return subprocess.Popen(
-        [sys.executable, "-m", "m2po_rllib.ray_watchdog", *marked],
+        [sys.executable, "-m", "m2po_rllib.common.ray_watchdog", *marked],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
     )
 

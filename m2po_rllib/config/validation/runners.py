@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from m2po_rllib.config.validation.problems import INT, Problem, is_kind, problem
 from m2po_rllib.rollout.staleness import AUTO, DEFAULT_CEILING, DEFAULT_HALF_LIFE
-from m2po_rllib.validation.problems import INT, Problem, is_kind, problem
 
 def check_episode_budget(config) -> list[Problem]:
     """A multi-turn episode fits the model's context (rollout/budget.py): the longest prompt +

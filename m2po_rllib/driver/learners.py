@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from m2po_rllib import keys
+from m2po_rllib.common import keys
 from m2po_rllib.wire.batch import num_rows, take_rows, to_train_batch
 from m2po_rllib.wire.weights import PublishedWeights
 

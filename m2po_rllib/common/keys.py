@@ -102,7 +102,7 @@ EVAL_MEAN_AT_K = "eval/mean_at_k"
 EVAL_RESPONSE_LEN = "eval/response_len_mean"
 EVAL_PROBLEMS = "num_problems"
 
-# -- algorithm (m2po_rllib.m2po, m2po_rllib.rollout.sampler) ------------------------------
+# -- algorithm (m2po_rllib.driver.m2po, m2po_rllib.rollout.sampler) ------------------------------
 HELDOUT_ACCURACY = "heldout_accuracy"  # carried between evaluations into every result
 STALENESS_MEAN = "staleness/mean"  # age of the dispatched step's rows at its first minibatch
 STALENESS_MAX = "staleness/max"

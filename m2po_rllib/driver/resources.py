@@ -24,7 +24,7 @@ from typing import Callable
 
 import ray
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def init_ray_for_api() -> None:
     `ray.init()` (the cluster in RAY_ADDRESS, else a new local Ray with its dashboard, as
     RLlib users expect), except that a local Ray started here ends with this process, a
     kill -9 included, as one that `m2po train` starts does."""
-    from m2po_rllib.ray_watchdog import end_with_this_process, started_here
+    from m2po_rllib.common.ray_watchdog import end_with_this_process, started_here
 
     ray.init()
     if started_here():
@@ -188,7 +188,7 @@ def actors_placed(config, bundles: list[dict]):
     """Around the creation of the actors that `bundles` (`default_resource_request`) ask for:
     fails at once if they can never fit this local Ray; on a cluster this process joined,
     says every 30 s what they wait for."""
-    from m2po_rllib.ray_watchdog import started_here
+    from m2po_rllib.common.ray_watchdog import started_here
 
     check_local_learner_gpus(config)
     if not ray.is_initialized():

@@ -1,9 +1,8 @@
 """`M2POConfig`: every M2PO setting, its default and its meaning, once; `validate()`.
 
-Settings mirror RLlib's config methods (`training()`, `env_runners()`, `evaluation()`), so
-YAML configs (`configs/*.yaml`, see `config_io.py`) and Ray Tune param spaces use the same
-names. `validate()` runs RLlib's checks and then M2PO's (validation/), and raises a
-`ConfigError` naming the setting, the value and the fix.
+Settings mirror RLlib's config methods (`training()`, `env_runners()`, ...), so YAML configs
+(from_yaml.py) and Ray Tune spaces use the same names. `validate()` runs RLlib's checks, then
+M2PO's (validation/): a `ConfigError` names the setting, the value and the fix.
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ from ray.rllib.algorithms.algorithm_config import DEPRECATED_VALUE, AlgorithmCon
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib import config_io, validation
-from m2po_rllib.config_derived import DEFAULT_MODEL_DTYPE, DerivedSettings
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
+from m2po_rllib.config.derived import DEFAULT_MODEL_DTYPE, DerivedSettings
+from m2po_rllib.config.from_yaml import apply_overrides, config_from_spec, load_spec
+from m2po_rllib.config.validation import STAGES, check_types, log_notices, raise_problems
 from m2po_rllib.losses import PAPER_M2_THRESHOLD
 from m2po_rllib.rollout.staleness import DEFAULT_CEILING, DEFAULT_HALF_LIFE
 from m2po_rllib.torch.logp import DEFAULT_CHUNK_SIZE
@@ -41,10 +41,10 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
     """
 
     def __init__(self, algo_class=None):
-        from m2po_rllib.m2po import M2PO
+        from m2po_rllib.driver.m2po import M2PO
 
         super().__init__(algo_class=algo_class or M2PO)
-        from m2po_rllib.evaluation import evaluate_heldout
+        from m2po_rllib.driver.evaluation import evaluate_heldout
         from m2po_rllib.rollout.env_runner import LLMEnvRunner
 
         # -- training() -----------------------------------------------------------------
@@ -165,7 +165,7 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         self.colocate = False
         # Sampling temperature of the rollouts (the learner's log-probs are taken at it).
         self.temperature = 1.0
-        # Truncated sampling, vLLM's rule (m2po_rllib.truncation): the learner replays it,
+        # Truncated sampling, vLLM's rule (m2po_rllib.common.truncation): the learner replays it,
         # so on-policy ratios stay 1. top_p = 1 and top_k = 0 (or -1) keep every token.
         self.top_p = 1.0
         self.top_k = 0
@@ -377,24 +377,24 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
     def validate(self) -> None:
         """RLlib's checks, then M2PO's (validation/), in stages; one `ConfigError` naming
         every bad setting of the first stage that has any, each with the fix."""
-        validation.raise_problems(validation.check_types(self))  # RLlib's own fail with a traceback on lr="abc"
+        raise_problems(check_types(self))  # RLlib's own fail with a traceback on lr="abc"
         try:
             super().validate()
         except ConfigError:
             raise
         except ValueError as e:  # RLlib's own messages name the setting and the fix too
             raise ConfigError(f"Invalid M2POConfig: {e}") from e
-        for stage in validation.STAGES:
-            validation.raise_problems([p for check in stage for p in check(self)])
-        validation.log_notices(self)
+        for stage in STAGES:
+            raise_problems([p for check in stage for p in check(self)])
+        log_notices(self)
 
     # -- YAML -----------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: dict) -> "M2POConfig":
-        """A config from a YAML-shaped mapping: {section: {setting: value}} (config_io.py)."""
-        return config_io.config_from_spec(spec, cls)
+        """A config from a YAML-shaped mapping: {section: {setting: value}} (from_yaml.py)."""
+        return config_from_spec(spec, cls)
 
     @classmethod
     def from_yaml(cls, path: str, overrides: dict | list | None = None) -> "M2POConfig":
         """A config from `configs/*.yaml`, with `section.key=value` overrides."""
-        return cls.from_spec(config_io.apply_overrides(config_io.load_spec(path), overrides))
+        return cls.from_spec(apply_overrides(load_spec(path), overrides))

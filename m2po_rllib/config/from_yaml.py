@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from m2po_rllib.errors import ConfigError
+from m2po_rllib.common.errors import ConfigError
 
 # YAML 1.1 reads `1e-5` (no dot) as a string; configs mean the number.
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")

@@ -281,3 +281,22 @@ def test_a_runner_gone_while_the_group_forms_fails_the_connect_not_the_run(tied_
     assert not sync.connected and sync.send(4) is None
     assert sync.metrics(None) == {"weights/native_failures": 1, "weights/native_connects": 0,
                                   "weights/native_version": -1}
+
+
+def test_a_runner_whose_engine_cannot_start_fails_the_layout_check_before_the_group_opens(tiny_model_dir):
+    """The learner checks each runner's layout before it opens the weight group, and that call
+    starts the runner's engine: an engine that cannot start raises its own error there, at
+    once. (In the join, the learner would wait for a rank that never comes until the group's
+    300 s timeout, and only then see why.)"""
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    from m2po_rllib import M2POConfig
+    from m2po_rllib.rollout.engine_host import EngineHost
+
+    config = (M2POConfig().environment("m2po/Arithmetic-v0")
+              .env_runners(rollout_engine="hf", engine_kwargs={"no_such_setting": 1})
+              .rl_module(model_config={"model": tiny_model_dir}))
+    host = EngineHost(config, 1, 0, MetricsLogger())
+    with pytest.raises(TypeError, match="no_such_setting"):
+        host.layout()
+    assert not host.started

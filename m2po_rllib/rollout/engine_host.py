@@ -215,9 +215,13 @@ class EngineHost:
 
     # -- native weight sync (weight_sync="native") -----------------------------------------
     def layout(self) -> dict[str, list[int]]:
-        """The parameter names and shapes of this runner's model (checked before the group opens)."""
+        """The parameter names and shapes of this runner's model (checked before the group
+        opens), its engine started first: an engine that cannot start fails here, where the
+        learner gets the error at once, not in the join, where it would wait for this rank
+        until the group's timeout (300 s)."""
         from m2po_rllib.sync.transports import weight_layout
 
+        self.engine  # noqa: B018 (started, or its error raised)
         return weight_layout(model_path(self.config))
 
     def join(self, init_info: dict) -> None:

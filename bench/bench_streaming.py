@@ -13,7 +13,11 @@ Variants (each in a fresh process, one at a time; nothing else should run beside
 - `rounds-1runner`, `streaming-1runner`: one runner (0.5 CPU) instead of two, so that
   generation, not the learner, is what the run waits for;
 - `inflight`: streaming with `env_runners.inflight_weight_updates=true` (weights loaded
-  mid-sequence, at every publish).
+  mid-sequence, at every publish);
+- `native-rounds`, `native-inflight`: vLLM runners with native weight sync (the learner
+  broadcasts each update), round-based against streaming with weights loaded mid-sequence:
+  the learner's wait per broadcast (`weights/native_send_s`: a round-based runner receives
+  after its round in flight, a streaming one between two decoding steps).
 Figures per run, over the iterations after the warm-up: optimizer updates per second;
 generated (trained) response tokens per second per runner, over the wall time and over the
 runner's busy time (what the engine makes while it works: the tail shows here); the runners' and the learner's
@@ -40,6 +44,9 @@ CONFIG = REPO / "configs" / "column_mixed_async.yaml"
 
 BASE = ["evaluation.evaluation_interval=0", "training.logp_mismatch_interval=0"]
 ONE_RUNNER = ["env_runners.num_env_runners=1"]  # half the generation: the run waits for it
+# vLLM runners with the learner's broadcasts (gloo here): the learner's wait per broadcast
+NATIVE = ["env_runners.rollout_engine=vllm", "env_runners.weight_sync=native",
+          "env_runners.engine_kwargs={kv_cache_space_gb: 1, max_model_len: 256}"]
 VARIANTS = {
     "rounds": [],
     "streaming": ["env_runners.streaming=true"],
@@ -47,6 +54,8 @@ VARIANTS = {
     "rounds-1runner": ONE_RUNNER,
     "streaming-1runner": ONE_RUNNER + ["env_runners.streaming=true"],
     "inflight": ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true"],
+    "native-rounds": NATIVE,
+    "native-inflight": NATIVE + ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true"],
 }
 ACCURACY_VARIANTS = ("rounds", "streaming")
 
@@ -56,6 +65,7 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
     import numpy as np
     import ray
 
+    from m2po_rllib.common import keys
     from m2po_rllib.config.algorithm_config import M2POConfig
     from m2po_rllib.config.from_yaml import apply_overrides, load_spec
 
@@ -86,6 +96,7 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
                 trained_max=learner.get("staleness/trained_max"), staleness_mean=result.get("staleness/mean"),
                 token_age=result.get("staleness/token_mean"), spanned=result.get("staleness/versions_spanned_max"),
                 update_s=result.get("timers", {}).get("learner_update_timer"),
+                native_send_s=result.get(keys.NATIVE_SYNC_S),  # the iteration's last broadcast
             ))
         warm = max(3, iters // 5)  # start-up and the first steps
         seconds = sum(r["seconds"] for r in rows[warm:])
@@ -105,6 +116,7 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
             "token_age_mean": mean("token_age"), "versions_spanned_max": max(
                 (r["spanned"] for r in rows if r["spanned"] is not None), default=None),
             "update_s_mean": mean("update_s"),  # the learner's seconds per step (it pads to the longest row)
+            "native_send_s_mean": mean("native_send_s"),  # the learner's wait per broadcast (native sync)
             "trained_max_staleness": max(r["trained_max"] for r in rows if r["trained_max"] is not None),
             "policy_version": rows[-1]["version"],
         }
@@ -161,6 +173,8 @@ def summarize(report: dict) -> list[str]:
     ratio("streaming", "rounds", "tokens_per_busy_s_per_runner", "greater", "> 1x")
     ratio("inflight", "streaming", "updates_per_s", "greater", "> 1x")
     ratio("inflight", "streaming", "token_age_mean", "less", "< 1x")
+    ratio("native-inflight", "native-rounds", "native_send_s_mean", "less", "< 1x")
+    ratio("native-inflight", "native-rounds", "updates_per_s", "greater", "> 1x")
     ratio("streaming", "rounds-even", "tokens_per_busy_s_per_runner", "not_lower", ">= 0.9x",
           margin=-math.log(0.9))
     ratio("rounds", "rounds-even", "update_s_mean", "greater", "> 1x")
@@ -197,7 +211,9 @@ def main() -> None:
                   f"(update {r['update_s_mean']:.2f} s)  "
                   f"answer {r['response_len']:.1f} tokens  age mean {r['staleness_mean']:.1f} max "
                   f"{r['trained_max_staleness']:.0f}  token age {r['token_age_mean']:.2f}"
-                  f"  versions per row <= {r['versions_spanned_max'] or 1:.0f}", flush=True)
+                  f"  versions per row <= {r['versions_spanned_max'] or 1:.0f}"
+                  + (f"  broadcast {r['native_send_s_mean']:.3f} s" if r["native_send_s_mean"] is not None else ""),
+                  flush=True)
     if args.only in (None, "accuracy"):
         for seed in args.seeds:
             for v in [v for v in args.variants if v in ACCURACY_VARIANTS]:

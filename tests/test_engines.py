@@ -649,6 +649,38 @@ def test_hf_engine_after_shutdown(tiny_model_dir, prompt_ids):
         engine.generate(prompt_ids, SamplingConfig())
 
 
+def test_vllm_on_cpu_prefills_whole_prompts_in_a_step_that_holds_the_longest_unless_told(tiny_model_dir):
+    from m2po_rllib.rollout.vllm_cpu import CPU_STEP_TOKENS, cpu_llm_kwargs
+
+    def settings(llm_kwargs, max_model_len=None):
+        return cpu_llm_kwargs(tiny_model_dir, llm_kwargs, max_model_len=max_model_len, kv_cache_space_gb=1,
+                              num_threads=None)
+
+    # the tiny model's own context (256) fits vLLM's default step; a longer one sets the step
+    assert settings({}) == {"enable_chunked_prefill": False, "max_num_batched_tokens": CPU_STEP_TOKENS}
+    assert settings({}, max_model_len=3 * CPU_STEP_TOKENS)["max_num_batched_tokens"] == 3 * CPU_STEP_TOKENS
+    assert settings({"max_num_batched_tokens": 2 * CPU_STEP_TOKENS})["max_num_batched_tokens"] == 2 * CPU_STEP_TOKENS
+    assert settings({"enable_chunked_prefill": True}) == {"enable_chunked_prefill": True}  # the user's choice
+    assert settings({"enable_chunked_prefill": False}) == {"enable_chunked_prefill": False}
+
+
+@pytest.mark.slow
+def test_vllm_on_cpu_samples_a_seeded_round_longer_than_a_step(vllm_engine):
+    """A round whose prompts pass vLLM's step budget (4096 tokens by default) is prefilled in
+    several steps; vLLM 0.32's CPU worker crashed the engine when a seeded request's prefill was
+    split across two (`vllm_cpu.py`). Every prompt is prefilled whole on CPU: the round comes
+    back, every sample its prompt's, and the engine lives."""
+    from m2po_rllib.rollout.vllm_cpu import CPU_STEP_TOKENS
+
+    n_prompts, length = 100, 50
+    assert n_prompts * length > CPU_STEP_TOKENS
+    prompts = [[(i * 7 + j) % 20 + 3 for j in range(length)] for i in range(n_prompts)]
+    out = vllm_engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_tokens=4, seed=1))
+    assert [len(group) for group in out] == [2] * n_prompts
+    assert all(len(c.token_ids) == len(c.logprobs) >= 1 for group in out for c in group)
+    assert vllm_engine.is_healthy()
+
+
 # --- last: kills the shared vLLM engine -----------------------------------------------------
 
 

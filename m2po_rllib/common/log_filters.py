@@ -99,12 +99,17 @@ VLLM_LOGGING_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONF
 #   its V1 model runner, which is the one that serves CPU;
 # - LD_PRELOAD: tcmalloc / Intel OpenMP speed up CPU serving of large models; the CPU jobs
 #   here serve tiny models.
+# - chunked prefill: on CPU `VLLMEngine` turns it off (rollout/vllm_cpu.py: vLLM's CPU worker
+#   crashes a seeded request split across steps); vLLM then warns that the model does not
+#   "officially" support it off, and the tests with vLLM runners check the engine's log-probs
+#   against the learner's with it off.
 VLLM_ADVISORIES = (
     ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
     ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton; using the V1 model runner"),
     ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected on x86 CPUs."),
     ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD."),
+    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill."),
 )
 
 

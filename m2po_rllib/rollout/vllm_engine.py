@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Mapping
 
@@ -36,6 +35,7 @@ import torch
 
 from m2po_rllib.common.log_filters import quiet_vllm_logging
 from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
+from m2po_rllib.rollout.vllm_cpu import cpu_llm_kwargs
 from m2po_rllib.rollout.vllm_health import engine_core_processes, find_death
 from m2po_rllib.rollout.vllm_outputs import check_versions, completions
 from m2po_rllib.sync.vllm_worker import WeightSyncExtension
@@ -80,7 +80,7 @@ class VLLMEngine(GenerationEngine):
         - `enforce_eager`: None means True on CPU (torch.compile costs ~40 s at start and pays
           back only for big models), False (CUDA graphs) on GPU.
         - `kv_cache_space_gb`: CPU KV-cache size, exported as VLLM_CPU_KVCACHE_SPACE unless
-          that is already set.
+          that is already set. On CPU every prompt is prefilled whole (vllm_cpu.py says why).
         - `sync_chunk_bytes`: most tensor bytes per weight-sync RPC (object-store path).
         - `weight_transport`: "object_store" (default: the path training uses) sets up no
           native receive path; "auto" enables the NCCL one on CUDA, "nccl" requires CUDA,
@@ -123,10 +123,8 @@ class VLLMEngine(GenerationEngine):
             llm_kwargs = {**self.native.llm_kwargs, **llm_kwargs}
             extension = llm_kwargs.pop("worker_extension_cls", extension)
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_space_gb)))
-            if num_threads is not None:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-                os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
+            llm_kwargs = cpu_llm_kwargs(model_path, llm_kwargs, max_model_len=max_model_len,
+                                        kv_cache_space_gb=kv_cache_space_gb, num_threads=num_threads)
         elif gpu_memory_utilization is not None:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.sleep_unavailable = (

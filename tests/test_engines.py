@@ -662,6 +662,9 @@ def test_vllm_on_cpu_prefills_whole_prompts_in_a_step_that_holds_the_longest_unl
     assert settings({"max_num_batched_tokens": 2 * CPU_STEP_TOKENS})["max_num_batched_tokens"] == 2 * CPU_STEP_TOKENS
     assert settings({"enable_chunked_prefill": True}) == {"enable_chunked_prefill": True}  # the user's choice
     assert settings({"enable_chunked_prefill": False}) == {"enable_chunked_prefill": False}
+    # a model whose context cannot be read here keeps vLLM's defaults (vLLM says what is wrong)
+    assert cpu_llm_kwargs(str(tiny_model_dir) + "-missing", {}, max_model_len=None, kv_cache_space_gb=1,
+                          num_threads=None) == {}
 
 
 @pytest.mark.slow

@@ -32,17 +32,19 @@ def cpu_llm_kwargs(model_path: str, llm_kwargs: dict, *, max_model_len: int | No
         os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
     if "enable_chunked_prefill" in llm_kwargs:
         return llm_kwargs
-    longest = max_model_len or model_max_len(model_path)
+    longest = max_model_len or model_max_len(model_path, bool(llm_kwargs.get("trust_remote_code")))
+    if not longest:  # a context this cannot read: vLLM's own defaults (it says what is wrong with the model)
+        return llm_kwargs
     return {"max_num_batched_tokens": max(CPU_STEP_TOKENS, longest), **llm_kwargs, "enable_chunked_prefill": False}
 
 
-def model_max_len(model_path: str) -> int:
+def model_max_len(model_path: str, trust_remote_code: bool = False) -> int:
     """The model's own context length (what vLLM takes when `max_model_len` is None); 0 when
-    its config cannot be read here (vLLM then says why, with the model's path)."""
+    its config cannot be read here."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_path).get_text_config()
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
     except (OSError, ValueError):
         return 0
     return int(getattr(config, "max_position_embeddings", 0) or 0)

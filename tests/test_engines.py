@@ -649,34 +649,29 @@ def test_hf_engine_after_shutdown(tiny_model_dir, prompt_ids):
         engine.generate(prompt_ids, SamplingConfig())
 
 
-def test_vllm_on_cpu_prefills_whole_prompts_in_a_step_that_holds_the_longest_unless_told(tiny_model_dir):
-    from m2po_rllib.rollout.vllm_cpu import CPU_STEP_TOKENS, cpu_llm_kwargs
+def test_vllm_on_cpu_prefills_whole_prompts_unless_the_user_chose():
+    from m2po_rllib.rollout.vllm_cpu import cpu_llm_kwargs
 
-    def settings(llm_kwargs, max_model_len=None):
-        return cpu_llm_kwargs(tiny_model_dir, llm_kwargs, max_model_len=max_model_len, kv_cache_space_gb=1,
-                              num_threads=None)
+    def settings(llm_kwargs):
+        return cpu_llm_kwargs(llm_kwargs, kv_cache_space_gb=1, num_threads=None)
 
-    # the tiny model's own context (256) fits vLLM's default step; a longer one sets the step
-    assert settings({}) == {"enable_chunked_prefill": False, "max_num_batched_tokens": CPU_STEP_TOKENS}
-    assert settings({}, max_model_len=3 * CPU_STEP_TOKENS)["max_num_batched_tokens"] == 3 * CPU_STEP_TOKENS
-    assert settings({"max_num_batched_tokens": 2 * CPU_STEP_TOKENS})["max_num_batched_tokens"] == 2 * CPU_STEP_TOKENS
+    assert settings({}) == {"enable_chunked_prefill": False}
     assert settings({"enable_chunked_prefill": True}) == {"enable_chunked_prefill": True}  # the user's choice
-    assert settings({"enable_chunked_prefill": False}) == {"enable_chunked_prefill": False}
-    # a model whose context cannot be read here keeps vLLM's defaults (vLLM says what is wrong)
-    assert cpu_llm_kwargs(str(tiny_model_dir) + "-missing", {}, max_model_len=None, kv_cache_space_gb=1,
-                          num_threads=None) == {}
+    assert settings({"max_num_batched_tokens": 8192}) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
 
 
 @pytest.mark.slow
 def test_vllm_on_cpu_samples_a_seeded_round_longer_than_a_step(vllm_engine):
-    """A round whose prompts pass vLLM's step budget (4096 tokens by default) is prefilled in
+    """A round whose prompts pass vLLM's step budget (4096 tokens on CPU) is prefilled in
     several steps; vLLM 0.32's CPU worker crashed the engine when a seeded request's prefill was
     split across two (`vllm_cpu.py`). Every prompt is prefilled whole on CPU: the round comes
     back, every sample its prompt's, and the engine lives."""
-    from m2po_rllib.rollout.vllm_cpu import CPU_STEP_TOKENS
-
+    scheduler = vllm_engine.llm.llm_engine.vllm_config.scheduler_config
+    # whole prompts, in a step vLLM sized to hold the longest sequence
+    assert not scheduler.enable_chunked_prefill
+    assert scheduler.max_num_batched_tokens >= vllm_engine.llm.llm_engine.model_config.max_model_len
     n_prompts, length = 100, 50
-    assert n_prompts * length > CPU_STEP_TOKENS
+    assert n_prompts * length > scheduler.max_num_batched_tokens  # several steps' worth of prompts
     prompts = [[(i * 7 + j) % 20 + 3 for j in range(length)] for i in range(n_prompts)]
     out = vllm_engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_tokens=4, seed=1))
     assert [len(group) for group in out] == [2] * n_prompts

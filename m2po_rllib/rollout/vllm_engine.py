@@ -123,8 +123,7 @@ class VLLMEngine(GenerationEngine):
             llm_kwargs = {**self.native.llm_kwargs, **llm_kwargs}
             extension = llm_kwargs.pop("worker_extension_cls", extension)
         if on_cpu:
-            llm_kwargs = cpu_llm_kwargs(model_path, llm_kwargs, max_model_len=max_model_len,
-                                        kv_cache_space_gb=kv_cache_space_gb, num_threads=num_threads)
+            llm_kwargs = cpu_llm_kwargs(llm_kwargs, kv_cache_space_gb=kv_cache_space_gb, num_threads=num_threads)
         elif gpu_memory_utilization is not None:
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.sleep_unavailable = (

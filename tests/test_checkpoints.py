@@ -176,7 +176,7 @@ def _save_killed(algo, path, kill):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_algorithm_restores_a_whole_checkpoint_after_a_kill_at_any_step(mode, tiny_model_dir, tmp_path, monkeypatch):
     if mode == "sync":
-        from test_algorithm import tiny_config
+        from _configs import tiny_config
 
         config = tiny_config(tiny_model_dir, staleness=2)
     else:

@@ -121,7 +121,7 @@ def _m2po_here(capfd, *args) -> tuple[int, str, str]:
 )
 @pytest.mark.usefixtures("ray_session")  # the last one builds the algorithm: on the session's Ray
 def test_config_errors_are_one_line_and_leave_no_run_dir(tmp_path, capfd, monkeypatch, override, message):
-    # (every message is tested through the API in test_algorithm.py; here: what the CLI makes of one)
+    # (every message is tested through the API in test_config_checks.py; here: what the CLI makes of one)
     monkeypatch.chdir(REPO)
     code, _, err = _m2po_here(capfd, "train", "--output", str(tmp_path / "run"), override)
     assert code == 2, err[-3000:]

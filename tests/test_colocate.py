@@ -12,7 +12,7 @@ import pytest
 from m2po_rllib.common import keys
 from m2po_rllib.common.errors import ConfigError
 
-from test_algorithm import tiny_config
+from _configs import tiny_config
 
 SKIPPED = "colocate: the rollout engine stays awake during the learner's updates"
 

@@ -129,7 +129,7 @@ def test_mismatch_metrics_against_plain_sums():
 def test_one_rule_for_the_bounds_in_the_loss_and_in_validate(name, bounds, setting, why, tiny_model_dir):
     """The loss refuses the bounds `validate()` refuses, with the same reason (one rule:
     `correction.bound_errors`)."""
-    from test_algorithm import tiny_config
+    from _configs import tiny_config
 
     from m2po_rllib.common.errors import ConfigError
 

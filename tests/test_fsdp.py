@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_algorithm import tiny_config
+from _configs import tiny_config
 from test_learner import _assert_same_gradient, _batch, _config, _peek
 
 

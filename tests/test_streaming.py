@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _tolerance import decoder_rtol
-from test_algorithm import tiny_config
+from _configs import tiny_config
 from transformers import AutoConfig
 
 from m2po_rllib.wire.weights import PublishedWeights
@@ -24,7 +24,7 @@ G = 4  # tiny_config's group size
 
 
 def _runner(model_dir, **training):
-    from test_algorithm import _test_envs
+    import _test_envs
 
     from m2po_rllib.rollout.env_runner import LLMEnvRunner
 

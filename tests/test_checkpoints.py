@@ -212,9 +212,11 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
     caught = False
     try:
         # Poll for a save in progress: its fresh directory exists only between the save's
-        # first write and its switch-in (a few ms a save here). Past the second checkpoint,
-        # so that a complete one exists to lose.
+        # first write and its switch-in (a few ms a save here, one a step). Past the second
+        # checkpoint, so that a complete one exists to lose. Every 2 ms, not in a busy loop:
+        # that took one of the machine's two cores from the job it watches.
         while time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.002)
             new = [p for p in run.glob("checkpoint.new-*")] if run.exists() else []
             if new and checkpoints.newest(run / "checkpoint") is not None and _iteration(run) >= 2:
                 ray_processes = ray_processes_of(job.pid)

@@ -347,13 +347,14 @@ SHORT = SamplingConfig(n=2, max_tokens=4, seed=5, temperature=0.8, top_p=0.9)
 GREEDY = SamplingConfig(n=2, max_tokens=10, temperature=0)
 
 
-def stream(engine, plan: dict[int, list], limit: int = 200) -> tuple[dict, list]:
-    """Steps `engine`, submitting plan[step]'s groups (key, prompt ids, sampling, index) before
-    that step, until nothing is in flight; the groups by key with the step each came back in."""
+def stream(engine, plan: dict[int, list], limit: int = 200, resume: dict | None = None) -> tuple[dict, list]:
+    """Steps `engine`, submitting plan[step]'s groups (key, prompt ids, sampling, index; each
+    from `resume[key]` where given) before that step, until nothing is in flight; the groups by
+    key with the step each came back in."""
     finished, order = {}, []
     for step in range(limit):
         for key, ids, sampling, index in plan.get(step, []):
-            engine.submit(key, ids, sampling, index=index)
+            engine.submit(key, ids, sampling, index=index, resume=(resume or {}).get(key))
         for key, group in engine.step():
             assert key not in finished
             finished[key], order = (group, step), order + [key]
@@ -403,6 +404,83 @@ def test_a_streaming_engine_refuses_what_would_mix_versions_until_drained(engine
     finished, _ = stream(engine, {0: []})
     assert list(finished) == ["g"] and engine.in_flight == 0
     assert engine.generate(prompt_ids[:1], SHORT)[0]  # drained: batches again
+
+
+HANDED = SamplingConfig(n=3, max_tokens=12, temperature=1.0, top_k=20)  # seeded in the test
+
+
+@pytest.mark.parametrize("engine", ENGINE_KINDS, indirect=True)
+def test_groups_in_flight_are_handed_over_as_far_as_they_got_and_continued(engine, prompt_ids, tiny_model_dir):
+    """`partials()` between two steps: every group in flight, each sample the prefix of what
+    its group then returns (tokens, log-probs, versions), a sample that already ended whole
+    (vLLM: from its request's aggregator). Continued under other keys (`submit(resume=...)`),
+    each sample keeps what it was handed and goes on within its budget, its new tokens sampled
+    from the policy given them (their log-probs a plain forward's over the whole sequence); an
+    ended one is not generated further. (A continuation draws a stream of its own on vLLM,
+    which keeps no random state; the HF engine's is the uninterrupted one: test_partials.)"""
+    at = 5
+    for seed in range(0, 4000, 100):  # a round in which a sample ends (an EOS) while its group goes on
+        sampling = dataclasses.replace(HANDED, seed=seed)
+        plan = [("a", prompt_ids[0], sampling, 0), ("b", prompt_ids[1], sampling, 1), ("c", prompt_ids[3], sampling, 2)]
+        for key, ids, _, index in plan:
+            engine.submit(key, ids, sampling, index=index)
+        early = [key for _ in range(at) for key, _ in engine.step()]
+        handed = engine.partials()
+        assert sorted(handed) == sorted(set("abc") - set(early)) and engine.in_flight == len(handed)
+        going = [p for group in handed.values() for p in group if p.finish_reason is None]
+        assert all(0 < len(p.token_ids) <= at for p in going)  # a token a step at most (vLLM's core schedules)
+        if going and len(going) < sum(map(len, handed.values())):
+            break
+        stream(engine, {0: []})
+    else:
+        pytest.fail("no seed gave a sample that ended while its group went on")
+    finished, _ = stream(engine, {0: []})
+    for key, group in handed.items():
+        for p, c in zip(group, finished[key][0], strict=True):
+            k = len(p.token_ids)
+            assert (c.token_ids[:k], c.logprobs[:k], c.token_versions()[:k]) == (p.token_ids, p.logprobs, p.versions)
+            assert p.finish_reason is None or (len(c.token_ids), c.finish_reason) == (k, p.finish_reason)
+
+    model = load_hf(tiny_model_dir)
+    resumed, _ = stream(engine, {0: [(f"{key}'", ids, sampling, index) for key, ids, _, index in plan if key in handed]},
+                        resume={f"{key}'": group for key, group in handed.items()})
+    prompts = {key: ids for key, ids, *_ in plan}
+    for key, group in handed.items():
+        ids = prompts[key]
+        for p, c in zip(group, resumed[f"{key}'"][0], strict=True):
+            k, n = len(p.token_ids), len(c.token_ids)
+            assert (c.token_ids[:k], c.logprobs[:k], c.token_versions()[:k]) == (p.token_ids, p.logprobs, p.versions)
+            if p.finish_reason is not None:
+                assert (n, c.finish_reason) == (k, p.finish_reason)
+                continue
+            assert k < n <= sampling.max_tokens and c.token_versions()[k:] == [engine.version] * (n - k)
+            ref = reference_logprobs(model, ids, c.token_ids, sampling.temperature, top_k=sampling.top_k)
+            tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=len(ids) + n)
+            assert c.logprobs[k:] == pytest.approx(ref[k:], abs=tol * max(1.0, *map(abs, ref)))
+
+
+def test_a_stop_string_across_a_resumed_samples_two_parts_ends_it_where_it_completes(hf_engine):
+    """vLLM checks stop strings in a continuation's own text; a stop string that begins in the
+    handed-over tokens and ends in the continuation's is found when the two are joined: the
+    sample ends at the token completing it, its text cut before it."""
+    from m2po_rllib.rollout.engine import Completion, Partial
+    from m2po_rllib.rollout.vllm_stream import VLLMStream, _Resumed
+
+    encode = hf_engine.tokenizer.encode
+    sampling = SamplingConfig(n=1, max_tokens=12, seed=1, stop=["=7"])
+    joined = VLLMStream(hf_engine)._joined(
+        _Resumed(4, sampling),
+        Partial(encode("12="), [-0.1, -0.2, -0.3], [3, 3, 3]),
+        Completion(encode("7 ok"), [-0.4, -0.5, -0.6, -0.7], "7 ok", "length", [(4, 0, 4)]),
+    )
+    assert (joined.token_ids, joined.logprobs, joined.token_versions()) == (encode("12=7"), [-0.1, -0.2, -0.3, -0.4],
+                                                                           [3, 3, 3, 4])
+    assert (joined.finish_reason, joined.text) == ("stop", "12")
+    plain = VLLMStream(hf_engine)._joined(  # no stop string across them: the continuation's end kept
+        _Resumed(4, sampling), Partial(encode("12"), [-0.1, -0.2], [3, 3]),
+        Completion(encode("+5"), [-0.4, -0.5], "+5", "length", [(4, 0, 2)]),
+    )
+    assert (plain.token_ids, plain.finish_reason, plain.text) == (encode("12+5"), "length", "12+5")
 
 
 def test_the_hf_stream_keeps_only_live_rows_and_columns_in_its_cache(hf_engine, prompt_ids):

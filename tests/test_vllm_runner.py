@@ -132,11 +132,13 @@ def test_streaming_vllm_runner_trains_one_version_per_round_within_the_bound(ray
         algo.stop()
 
 
-def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(ray_session, tiny_model_dir):
+def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(ray_session, tiny_model_dir, tmp_path):
     """streaming + inflight_weight_updates + weight_sync="native": each broadcast is received
     between two decoding steps of the runner's groups (the generating thread parked, vLLM's
     core paused, its running requests recomputed), never failing; every trained row's version
-    is its oldest token's and within the bound; each sample is trained once."""
+    is its oldest token's and within the bound; each sample is trained once. A checkpoint then
+    reads the rounds generating as far as they got (vLLM's partials) instead of waiting for
+    them."""
     from test_async import _record_trained_ids
 
     config = _config(tiny_model_dir, weight_sync="native", streaming=True, inflight_weight_updates=True)
@@ -159,6 +161,18 @@ def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(r
         print("versions spanned (max per step):", spans)
         assert result["weights/native_failures"] == 0 and result["weights/native_connects"] == 1
         assert algo.env_runner_group.foreach_env_runner(lambda r: r._stream is not None, local_env_runner=False) == [True]
+
+        def slow_steps(runner):  # as long answers are: a round takes a second or more
+            step = runner.host.engine.step
+            runner.host.engine.step = lambda: (time.sleep(0.05), step())[1]
+
+        algo.env_runner_group.foreach_env_runner(slow_steps, local_env_runner=False)
+        algo.train()  # the rounds it requests are a few tokens in when the checkpoint reads them
+        saved, get_state = [], algo.sampler.get_state
+        algo.sampler.get_state = lambda partials=None: (saved.append(partials), get_state(partials))[1]
+        algo.save_to_path(str(tmp_path / "ckpt"))
+        # read as far as they got (a drain would have left none to read)
+        assert saved[-1] and any(p.token_ids for r in saved[-1].values() for g in r["resume"].values() for p in g)
     finally:
         algo.stop()
     for r in rollouts:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig, version_spans
+from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEngine, SamplingConfig
 from m2po_rllib.rollout.hf_sampling import find_stop, sample_next
 from m2po_rllib.rollout.hf_stream import ContinuousBatch
 
@@ -172,13 +172,6 @@ class HFEngine(GenerationEngine):
             if cut is not None:
                 return "stop", text[:cut]
         return ("length", None) if len(tokens) >= budget else (None, None)
-
-    def completion(self, tokens: list[int], logps: list[float], text: str | None, reason: str,
-                   versions: list[int]) -> Completion:
-        """A finished sample; `versions`: the policy version that sampled each token."""
-        if text is None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return Completion(tokens, logps, text, reason, version_spans(versions))
 
     # -- streaming: the continuous batch (hf_stream.py) ----------------------------------------
     resumes_partial = True

@@ -19,6 +19,11 @@ steps: the running requests are then preempted (`reset_prefix_cache(reset_runnin
 True)`), so vLLM recomputes their KV from the prompt and the tokens so far with the new
 weights when they resume, and the tokens sampled from then on carry the new version's label.
 
+Streaming (`submit` / `step`, `vllm_stream.py`): vLLM's own continuous batching, one request
+per group, stepped by the runner; the groups in flight are handed over as far as they got
+(`partials()`, read from vLLM's output processor) and continued (`submit(..., resume=...)`),
+each continued sample with a random stream of its own.
+
 Health: `is_healthy()` is False once vLLM flagged its engine core dead, or the engine-core
 process or a worker process (pids recorded at start) is gone or a zombie; `generate` then
 raises `EngineDeadError` instead of hanging on a dead socket.
@@ -38,6 +43,7 @@ from m2po_rllib.rollout.engine import Completion, EngineDeadError, GenerationEng
 from m2po_rllib.rollout.vllm_cpu import cpu_llm_kwargs
 from m2po_rllib.rollout.vllm_health import engine_core_processes, find_death
 from m2po_rllib.rollout.vllm_outputs import check_versions, completions
+from m2po_rllib.rollout.vllm_stream import VLLMStream
 from m2po_rllib.sync.vllm_worker import WeightSyncExtension
 from m2po_rllib.sync.transports import (  # noqa: F401  (serialize_weight_chunks: re-exported)
     DEFAULT_SYNC_CHUNK_BYTES,
@@ -136,8 +142,7 @@ class VLLMEngine(GenerationEngine):
         if head_dtype is not None:
             llm_kwargs["hf_overrides"] = {**(llm_kwargs.get("hf_overrides") or {}), "head_dtype": head_dtype}
         self._asleep = False
-        self._streamed: dict[str, tuple] = {}  # our request id -> (group key, samples, version)
-        self._stream_requests = 0  # streamed requests so far (their ids)
+        self._stream = VLLMStream(self)  # the streamed groups (vllm_stream.py)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.last_sync_stats: dict = {}
         self._dead_reason: str | None = None
@@ -205,45 +210,28 @@ class VLLMEngine(GenerationEngine):
             check_versions(group, self._version, "a round")
         return groups
 
-    # --- streaming: vLLM's own continuous batching, one request per group ------------------
+    # --- streaming: vLLM's own continuous batching (vllm_stream.py) -------------------------
+
+    resumes_partial = True
 
     def submit(self, key, prompt_token_ids: list[int], sampling: SamplingConfig, index: int = 0,
                resume=None) -> None:
-        self._refuse_resume(resume)
         self._check_alive()
         self.wake_up()
-        if any(k == key for k, _, _ in self._streamed.values()):
-            raise ValueError(f"a group with key {key!r} is already in flight")
-        if not prompt_token_ids:
-            raise ValueError("every prompt needs at least one token")
-        from vllm.sampling_params import RequestOutputKind
+        self._stream.submit(key, prompt_token_ids, sampling, index, resume)
 
-        params = self._sampling_params(sampling, sampling.request_seed(index, 0))
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # a group comes back once, whole
-        # our own request id (vLLM's outputs carry the id they were given), apart from LLM's counter
-        self._stream_requests += 1
-        request_id = f"m2po-stream-{self._stream_requests}"
-        self._call(self.llm.llm_engine.add_request, request_id, {"prompt_token_ids": list(prompt_token_ids)}, params)
-        self._streamed[request_id] = (key, sampling.n, self._version)
+    def partials(self):
+        return self._stream.partials()
 
     def step(self) -> list[tuple[object, list[Completion]]]:
-        if not self._streamed:
+        if not self._stream.in_flight:
             return []
         self._check_alive()
-        if not self.llm.llm_engine.has_unfinished_requests():  # its step() would wait for ever
-            raise RuntimeError(f"vLLM has no request left for the {len(self._streamed)} groups in flight")
-        finished = []
-        for out in self._call(self.llm.llm_engine.step):
-            if out.finished and out.request_id in self._streamed:
-                key, n, version = self._streamed.pop(out.request_id)
-                group = completions(out, n)
-                check_versions(group, version, f"group {key!r}", newest=self._version)
-                finished.append((key, group))
-        return finished
+        return self._stream.step()
 
     @property
     def in_flight(self) -> int:
-        return len(self._streamed)
+        return self._stream.in_flight
 
     # --- sleep (colocated training) ---------------------------------------------------------
 

@@ -16,18 +16,18 @@ def completions(request_output, n: int) -> list[Completion]:
             f"vLLM returned {len(samples)} samples for request "
             f"{request_output.request_id}; asked for {n}"
         )
-    out = []
-    for c in samples:
-        if c.finish_reason not in ("stop", "length"):
-            raise RuntimeError(
-                f"vLLM ended request {request_output.request_id} with finish_reason "
-                f"{c.finish_reason!r}"
-            )
-        token_ids = list(c.token_ids)
-        logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
-        spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
-        out.append(Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None))
-    return out
+    return [completion_of(c, request_output.request_id) for c in samples]
+
+
+def completion_of(c, request_id: str) -> Completion:
+    """One finished sample (a vLLM `CompletionOutput`) with its log-probs and vLLM's per-token
+    version labels."""
+    if c.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended request {request_id} with finish_reason {c.finish_reason!r}")
+    token_ids = list(c.token_ids)
+    logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
+    spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
+    return Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None)
 
 
 def check_versions(group: list[Completion], version: int, what: str, newest: int | None = None) -> None:

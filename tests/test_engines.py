@@ -415,18 +415,21 @@ def test_groups_in_flight_are_handed_over_as_far_as_they_got_and_continued(engin
     its group then returns (tokens, log-probs, versions), a sample that already ended whole
     (vLLM: from its request's aggregator). Continued under other keys (`submit(resume=...)`),
     each sample keeps what it was handed and goes on within its budget, its new tokens sampled
-    from the policy given them (their log-probs a plain forward's over the whole sequence); an
-    ended one is not generated further. (A continuation draws a stream of its own on vLLM,
-    which keeps no random state; the HF engine's is the uninterrupted one: test_partials.)"""
+    from the policy given them (their log-probs a plain forward's over the whole sequence), a
+    greedy one as the uninterrupted sample (vLLM: one request's sample copied n times, each
+    copy continued); an ended one is not generated further. (A sampled continuation draws a
+    stream of its own on vLLM, which keeps no random state; on the HF engine it is the
+    uninterrupted one: test_partials.)"""
     at = 5
     for seed in range(0, 4000, 100):  # a round in which a sample ends (an EOS) while its group goes on
         sampling = dataclasses.replace(HANDED, seed=seed)
-        plan = [("a", prompt_ids[0], sampling, 0), ("b", prompt_ids[1], sampling, 1), ("c", prompt_ids[3], sampling, 2)]
-        for key, ids, _, index in plan:
-            engine.submit(key, ids, sampling, index=index)
+        plan = [("a", prompt_ids[0], sampling, 0), ("b", prompt_ids[1], sampling, 1), ("c", prompt_ids[3], sampling, 2),
+                ("greedy", prompt_ids[2], GREEDY, 3)]
+        for key, ids, group_sampling, index in plan:
+            engine.submit(key, ids, group_sampling, index=index)
         early = [key for _ in range(at) for key, _ in engine.step()]
         handed = engine.partials()
-        assert sorted(handed) == sorted(set("abc") - set(early)) and engine.in_flight == len(handed)
+        assert sorted(handed) == sorted({"a", "b", "c", "greedy"} - set(early)) and engine.in_flight == len(handed)
         going = [p for group in handed.values() for p in group if p.finish_reason is None]
         assert all(0 < len(p.token_ids) <= at for p in going)  # a token a step at most (vLLM's core schedules)
         if going and len(going) < sum(map(len, handed.values())):
@@ -442,18 +445,20 @@ def test_groups_in_flight_are_handed_over_as_far_as_they_got_and_continued(engin
             assert p.finish_reason is None or (len(c.token_ids), c.finish_reason) == (k, p.finish_reason)
 
     model = load_hf(tiny_model_dir)
-    resumed, _ = stream(engine, {0: [(f"{key}'", ids, sampling, index) for key, ids, _, index in plan if key in handed]},
+    resumed, _ = stream(engine, {0: [(f"{key}'", *rest) for key, *rest in plan if key in handed]},
                         resume={f"{key}'": group for key, group in handed.items()})
-    prompts = {key: ids for key, ids, *_ in plan}
+    groups = {key: (ids, group_sampling) for key, ids, group_sampling, _ in plan}
     for key, group in handed.items():
-        ids = prompts[key]
-        for p, c in zip(group, resumed[f"{key}'"][0], strict=True):
+        ids, sampling = groups[key]
+        for p, c, whole in zip(group, resumed[f"{key}'"][0], finished[key][0], strict=True):
             k, n = len(p.token_ids), len(c.token_ids)
             assert (c.token_ids[:k], c.logprobs[:k], c.token_versions()[:k]) == (p.token_ids, p.logprobs, p.versions)
             if p.finish_reason is not None:
                 assert (n, c.finish_reason) == (k, p.finish_reason)
                 continue
             assert k < n <= sampling.max_tokens and c.token_versions()[k:] == [engine.version] * (n - k)
+            if sampling.temperature == 0:  # greedy: the continuation is the uninterrupted sample
+                assert c.token_ids == whole.token_ids
             ref = reference_logprobs(model, ids, c.token_ids, sampling.temperature, top_k=sampling.top_k)
             tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=len(ids) + n)
             assert c.logprobs[k:] == pytest.approx(ref[k:], abs=tol * max(1.0, *map(abs, ref)))

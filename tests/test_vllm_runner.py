@@ -138,8 +138,11 @@ def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(r
     core paused, its running requests recomputed), never failing; every trained row's version
     is its oldest token's and within the bound; each sample is trained once. A checkpoint then
     reads the rounds generating as far as they got (vLLM's partials) instead of waiting for
-    them."""
+    them; restored (a new runner, a new engine), those rounds go on from their saved tokens
+    and versions, and each sample is still trained once."""
     from test_async import _record_trained_ids
+
+    from m2po_rllib import M2PO
 
     config = _config(tiny_model_dir, weight_sync="native", streaming=True, inflight_weight_updates=True)
     config.env_runners(max_new_tokens=24)
@@ -149,7 +152,8 @@ def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(r
         seen, rollouts, update = _record_trained_ids(algo), [], algo._update
 
         def spy(rollout):
-            rollouts.append({k: np.array(rollout[k]) for k in ("token_version", "response_mask", "policy_version")})
+            rollouts.append({k: np.array(rollout[k]) for k in ("token_version", "response_mask", "policy_version",
+                                                               "sample_id", "response_ids")})
             return update(rollout)
 
         algo._update = spy
@@ -170,14 +174,37 @@ def test_native_broadcasts_reach_a_streaming_runner_between_two_decoding_steps(r
         algo.train()  # the rounds it requests are a few tokens in when the checkpoint reads them
         saved, get_state = [], algo.sampler.get_state
         algo.sampler.get_state = lambda partials=None: (saved.append(partials), get_state(partials))[1]
-        algo.save_to_path(str(tmp_path / "ckpt"))
+        ckpt = algo.save_to_path(str(tmp_path / "ckpt"))
         # read as far as they got (a drain would have left none to read)
         assert saved[-1] and any(p.token_ids for r in saved[-1].values() for g in r["resume"].values() for p in g)
+        before = list(seen)
+    finally:
+        algo.stop()
+
+    algo = M2PO.from_checkpoint(ckpt)
+    try:
+        resumed, after = dict(algo.sampler._resume), _record_trained_ids(algo)
+        assert resumed.keys() == saved[-1].keys()
+        rows_per_round, update = algo.sampler.rows_per_round, algo._update
+        algo._update = spy  # recording the restored run's rollouts (`update` rebound to its own)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # until every resumed round is trained
+            algo.train()
+            trained = set(np.concatenate(after).tolist()) if after else set()
+            if all(n * rows_per_round in trained for n in resumed):
+                break
     finally:
         algo.stop()
     for r in rollouts:
         versions = np.where(r["response_mask"] > 0, r["token_version"], np.iinfo(np.int64).max)
         np.testing.assert_array_equal(r["policy_version"], versions.min(1))
-    ids = np.concatenate(seen).tolist()
-    assert sorted(ids) == list(range(len(ids)))
+    ids = np.concatenate(before + after).tolist()
+    assert sorted(ids) == list(range(len(ids)))  # each sample once, across the checkpoint
+    rows = {int(i): (r["response_ids"][j], r["token_version"][j]) for r in rollouts for j, i in enumerate(r["sample_id"])}
+    for n, entry in resumed.items():  # each resumed row begins with its saved tokens and their versions
+        samples = [p for i in sorted(entry["resume"]) for p in entry["resume"][i]]
+        for j, p in enumerate(samples):
+            ids_j, versions_j = rows[n * rows_per_round + j]
+            k = len(p.token_ids)
+            assert ids_j[:k].tolist() == p.token_ids and versions_j[:k].tolist() == p.versions
 

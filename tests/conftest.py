@@ -37,3 +37,14 @@ def ray_session():
     yield
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def verifier():
+    """The reward tests' verifier (test_reward, test_reward_pool: one pool of two children for
+    both), with short math-verify timeouts, so hostile samples cost about a second."""
+    from envs import MathVerifier
+
+    v = MathVerifier(num_workers=2, timeout_s=1, deadline_s=4.0)
+    yield v
+    v.close()

@@ -117,6 +117,17 @@ class Partial:
     """Its random stream's state after its last token (HF: the torch generator's), so the
     continued sample draws what the uninterrupted one would; None: a fresh stream."""
 
+    def check(self, budget: int) -> None:
+        """Refuses a partial that cannot go on within `budget` tokens: a log-prob and a version
+        for every token, an unfinished one short of its budget (else it would have ended)."""
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(f"a partial sample of {n} tokens has {len(self.logprobs)} log-probs "
+                             f"and {len(self.versions)} versions")
+        if self.finish_reason is None and n >= budget:
+            raise ValueError(f"an unfinished partial sample of {n} tokens is at its budget ({budget}): "
+                             "it would have ended")
+
 
 def version_spans(versions: Sequence[int]) -> list[tuple[int, int, int]]:
     """Per-token versions as `(version, start, end)` spans (`Completion.weight_versions`)."""

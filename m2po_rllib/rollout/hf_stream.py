@@ -59,12 +59,7 @@ class _Row:
 def _resume(row: _Row, partial: Partial) -> None:
     """`row` goes on from `partial`: its tokens, log-probs and versions, its random stream's
     state; an ended sample stays ended (its group counts it done)."""
-    if len(partial.logprobs) != len(partial.token_ids) or len(partial.versions) != len(partial.token_ids):
-        raise ValueError(f"a partial sample of {len(partial.token_ids)} tokens has {len(partial.logprobs)} log-probs "
-                         f"and {len(partial.versions)} versions")
-    if partial.finish_reason is None and len(partial.token_ids) >= row.budget:
-        raise ValueError(f"an unfinished partial sample of {len(partial.token_ids)} tokens is at its budget "
-                         f"({row.budget}): it would have ended")
+    partial.check(row.budget)
     row.tokens, row.logps, row.versions = list(partial.token_ids), list(partial.logprobs), list(partial.versions)
     if partial.rng_state is not None:
         row.generator.set_state(torch.frombuffer(bytearray(partial.rng_state), dtype=torch.uint8))

@@ -25,7 +25,7 @@ def completion_of(c, request_id: str) -> Completion:
     if c.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended request {request_id} with finish_reason {c.finish_reason!r}")
     token_ids = list(c.token_ids)
-    logprobs = [step[t].logprob for step, t in zip(c.logprobs, token_ids)]
+    logprobs = sampled_logprobs(c.logprobs, token_ids)
     spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])]
     return Completion(token_ids, logprobs, c.text, c.finish_reason, spans or None)
 
@@ -43,3 +43,9 @@ def check_versions(group: list[Completion], version: int, what: str, newest: int
                 f"{version}" + (f" (newest since: {newest})" if newest != version else
                                 f": weights changed within {what}")
             )
+
+
+def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's per-position logprobs (requested with
+    `logprobs=0`: the sampled token's only)."""
+    return [step[t].logprob for step, t in zip(logprobs, token_ids)]

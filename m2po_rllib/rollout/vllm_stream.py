@@ -30,7 +30,7 @@ import numpy as np
 from m2po_rllib.rollout.engine import Completion, Partial, SamplingConfig
 from m2po_rllib.rollout.hf_sampling import find_stop
 from m2po_rllib.rollout.stream_snapshot import ended
-from m2po_rllib.rollout.vllm_outputs import check_versions, completion_of, completions
+from m2po_rllib.rollout.vllm_outputs import check_versions, completion_of, completions, sampled_logprobs
 
 
 @dataclass
@@ -91,7 +91,7 @@ class VLLMStream:
             raise ValueError(f"resume holds {len(resume)} samples for a group of n={sampling.n}")
         group = _Resumed(self.engine.version, sampling)
         for j, partial in enumerate(resume):
-            _check_partial(partial, sampling.max_tokens)
+            partial.check(sampling.max_tokens)
             if partial.finish_reason is not None:
                 group.samples.append(self.engine.completion(
                     list(partial.token_ids), list(partial.logprobs), partial.text, partial.finish_reason,
@@ -199,16 +199,6 @@ class VLLMStream:
         return samples
 
 
-def _check_partial(partial: Partial, max_tokens: int) -> None:
-    n = len(partial.token_ids)
-    if len(partial.logprobs) != n or len(partial.versions) != n:
-        raise ValueError(f"a partial sample of {n} tokens has {len(partial.logprobs)} log-probs "
-                         f"and {len(partial.versions)} versions")
-    if partial.finish_reason is None and n >= max_tokens:
-        raise ValueError(f"an unfinished partial sample of {n} tokens is at its budget ({max_tokens}): "
-                         "it would have ended")
-
-
 def _versions(starts: list[tuple[str, int]], n: int, default: int) -> list[int]:
     """Per-token versions from vLLM's `(version, first token)` span starts."""
     if not starts:
@@ -221,5 +211,5 @@ def _from_state(state, version: int) -> Partial:
     """A sample in flight, from vLLM's `RequestState` (its detokenizer's tokens, its logprobs
     processor's log-probs, its weight-version spans)."""
     tokens = list(state.detokenizer.output_token_ids)
-    logps = [step[t].logprob for step, t in zip(state.logprobs_processor.logprobs, tokens)]
+    logps = sampled_logprobs(state.logprobs_processor.logprobs, tokens)
     return Partial(tokens, logps, _versions(state.weight_version_starts, len(tokens), version))

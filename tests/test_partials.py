@@ -9,6 +9,7 @@ waiting for them, resumed after a restore (the last test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -107,17 +108,22 @@ def test_partials_that_do_not_fit_their_group_are_refused(engines):
 
 
 # -- a streaming runner's rounds as far as they got (RoundStream.snapshot) ---------------------
-def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(tiny_model_dir):
+@pytest.mark.parametrize("scored", [False, True], ids=["engine", "runner-scored"])
+def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(tiny_model_dir, scored):
     """Round 0 partly generated and round 1 not started when the stream is read; another
     runner given the snapshot (and newer weights) continues round 0's samples from their
     tokens so far and starts round 1: each row keeps the first runner's tokens, labelled with
     their version, and only the rest is generated again, by the new weights; the row's
-    `policy_version` is its oldest token's."""
-    from test_streaming import _request, _runner, _take_all, _weights
+    `policy_version` is its oldest token's. `scored`: runners that score their rounds
+    (`recompute_behavior_logp` in async mode) hand each sample's log-probs so far over with it
+    (`Partial.scored`), so the resumed row's are each token's weights', not the last ones';
+    a round handed over without them is refused by such a runner."""
+    from test_streaming import _request, _runner, _take_all, _weights, assert_segments_are_their_weights
 
     from m2po_rllib.rollout.streaming import RoundStream
 
-    first, second = _runner(tiny_model_dir), _runner(tiny_model_dir)
+    training = dict(async_rollouts=True, recompute_behavior_logp=True) if scored else {}
+    first, second = _runner(tiny_model_dir, **training), _runner(tiny_model_dir, **training)
     try:
         v1, v2 = _weights(tiny_model_dir, 1, 0.01), _weights(tiny_model_dir, 2, -0.02)
         stream = RoundStream(first.host, first.plan_round, first.pack_round)  # driven here, no thread
@@ -136,9 +142,18 @@ def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(
         assert max(len(p.token_ids) for group in handed.values() for p in group) == 4  # 4 steps so far
 
         resumed = RoundStream(second.host, second.plan_round, second.pack_round)
+        if scored:  # handed over without the log-probs its runner scored: refused, nothing started
+            bare = {i: [dataclasses.replace(p, scored=None) for p in group] for i, group in handed.items()}
+            resumed.put([{**generating["request"], "weights": v2, "resume": bare}])
+            with pytest.raises(ValueError, match="saved without its runner's behaviour log-probs"):
+                resumed.advance()
+            assert second.engine.in_flight == 0
+            resumed = RoundStream(second.host, second.plan_round, second.pack_round)
         resumed.put([{**generating["request"], "weights": v2, "resume": handed, "prompt_ids": generating["prompt_ids"]},
                      {**waiting["request"], "weights": v2}])
         done = _take_all(resumed, 2)
+        if scored:
+            assert_segments_are_their_weights(done[0], (v1, v2), second.config, tiny_model_dir)
     finally:
         first.stop()
         second.stop()
@@ -149,7 +164,8 @@ def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(
     for row, p in enumerate(samples):
         k = len(p.token_ids)
         assert batch["response_ids"][row][:k].tolist() == p.token_ids  # the first runner's tokens, kept
-        np.testing.assert_allclose(batch["behavior_logp"][row][:k], p.logprobs, rtol=0, atol=0)
+        assert (p.scored is not None and len(p.scored) == k) == scored
+        np.testing.assert_allclose(batch["behavior_logp"][row][:k], p.scored if scored else p.logprobs, rtol=0, atol=0)
         got = versions[row][mask[row]].tolist()
         n_new = int(mask[row].sum()) - k
         assert got == [1] * k + [2] * n_new and (n_new == 0) == (p.finish_reason is not None)
@@ -165,12 +181,13 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
     is read as far as it got (issue 44 item 2). Restored (new runners), those rounds go on from
     their saved tokens (each resumed row begins with them: no saved token generated again),
     a runner is killed with rounds in its engine, and each sample is trained once, within the
-    bound."""
+    bound. The runners score their rounds (`recompute_behavior_logp`): a resumed row's saved
+    tokens keep the behaviour log-probs their runner scored before the checkpoint."""
     from test_async import _async_config, _record_trained_ids
 
     from m2po_rllib import M2PO
 
-    cfg = (_async_config(tiny_model_dir, max_staleness=4)
+    cfg = (_async_config(tiny_model_dir, max_staleness=4, recompute_behavior_logp=True)
            .env_runners(streaming=True, max_new_tokens=12)
            .fault_tolerance(restart_failed_env_runners=True))
 
@@ -208,7 +225,8 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
         rollouts, update = [], algo._update
 
         def spy(rollout):
-            rollouts.append({k: np.array(rollout[k]) for k in ("sample_id", "response_ids", "token_version")})
+            rollouts.append({k: np.array(rollout[k]) for k in ("sample_id", "response_ids", "token_version",
+                                                               "behavior_logp")})
             return update(rollout)
 
         algo._update = spy
@@ -231,11 +249,13 @@ def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint
     assert sorted(trained) == list(range(len(trained)))  # each sample once, whole rounds (hence groups)
     # every resumed round was trained (a round of the killed runner resumed again elsewhere),
     # each row beginning with its saved tokens and versions
-    rows = {int(i): (r["response_ids"][j], r["token_version"][j]) for r in rollouts for j, i in enumerate(r["sample_id"])}
+    rows = {int(i): (r["response_ids"][j], r["token_version"][j], r["behavior_logp"][j])
+            for r in rollouts for j, i in enumerate(r["sample_id"])}
     rows_per_round = algo.sampler.rows_per_round
     for n, entry in resumed.items():
         samples = [p for i in sorted(entry["resume"]) for p in entry["resume"][i]]
         for j, p in enumerate(samples):
-            ids, versions = rows[n * rows_per_round + j]
+            ids, versions, logp = rows[n * rows_per_round + j]
             k = len(p.token_ids)
             assert ids[:k].tolist() == p.token_ids and versions[:k].tolist() == p.versions
+            np.testing.assert_array_equal(logp[:k], np.asarray(p.scored or [], np.float32))

@@ -106,19 +106,41 @@ def test_a_round_that_needs_newer_weights_waits_for_the_groups_in_flight(tiny_mo
         runner.stop()
 
 
-def test_inflight_loads_move_the_groups_in_flight_to_newer_weights_token_by_token(tiny_model_dir):
+def assert_segments_are_their_weights(rollout: dict, weights: tuple, cfg, model_dir) -> None:
+    """Each token's behaviour log-prob in `rollout` is the learner's under the weights of its
+    version (`token_version`), and not under the others' (so the check can tell them apart)."""
+    from transformers import AutoModelForCausalLM
+
+    from m2po_rllib.torch.logp import response_logp
+    from m2po_rllib.wire.batch import to_train_batch
+
+    batch = {k: torch.as_tensor(v) for k, v in to_train_batch(rollout, rollout["rewards"]).items()}
+    tol = decoder_rtol(AutoConfig.from_pretrained(model_dir), tokens=batch["input_ids"].shape[1])
+    scale = max(1.0, float(batch["behavior_logp"].abs().max()))
+    valid = rollout["response_mask"] > 0
+    for w in weights:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.load_state_dict(w.get())
+        with torch.no_grad():
+            learner, _ = response_logp(model, batch, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        gap = (learner - batch["behavior_logp"]).abs()
+        assert gap[torch.as_tensor(valid & (rollout["token_version"] == w.version))].max() <= tol * scale
+        assert gap[torch.as_tensor(valid & (rollout["token_version"] != w.version))].max() > tol * scale
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["engine", "runner-scored"])
+def test_inflight_loads_move_the_groups_in_flight_to_newer_weights_token_by_token(tiny_model_dir, scored):
     """`inflight_loads`: newer weights handed over without a round are loaded between two
     engine steps with round 0's groups in flight, and a round that needs them starts at once
     (no drain). Each token's version is the batch's `token_version`, a row's `policy_version`
     its oldest token's, and the learner's log-probs of each segment, under that segment's
-    weights, are the engine's."""
-    from transformers import AutoModelForCausalLM
-
+    weights, are the batch's behaviour log-probs: the engine's, or (`scored`: a runner that
+    scores its rounds, `recompute_behavior_logp` in async mode) its scorer's, segment by
+    segment (rollout/segments.py), not the last weights' for the whole row."""
     from m2po_rllib.rollout.streaming import RoundStream
-    from m2po_rllib.torch.logp import response_logp
-    from m2po_rllib.wire.batch import to_train_batch, versions_spanned
+    from m2po_rllib.wire.batch import versions_spanned
 
-    runner = _runner(tiny_model_dir)
+    runner = _runner(tiny_model_dir, **(dict(async_rollouts=True, recompute_behavior_logp=True) if scored else {}))
     try:
         stream = RoundStream(runner.host, runner.plan_round, runner.pack_round, inflight_loads=True)
         v1, v2 = _weights(tiny_model_dir, 1, 0.01), _weights(tiny_model_dir, 2, -0.01)
@@ -139,17 +161,8 @@ def test_inflight_loads_move_the_groups_in_flight_to_newer_weights_token_by_toke
         np.testing.assert_array_equal(second["token_version"][second["response_mask"] > 0], 2)
         np.testing.assert_array_equal(second["policy_version"], 2)
 
-        cfg = runner.config
-        batch = {k: torch.as_tensor(v) for k, v in to_train_batch(first, first["rewards"]).items()}
-        tol = decoder_rtol(AutoConfig.from_pretrained(tiny_model_dir), tokens=batch["input_ids"].shape[1])
-        scale = max(1.0, float(batch["behavior_logp"].abs().max()))
-        for weights in (v1, v2):
-            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-            model.load_state_dict(weights.get())
-            with torch.no_grad():
-                learner, _ = response_logp(model, batch, cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-            segment = torch.as_tensor(valid & (first["token_version"] == weights.version))
-            assert (learner - batch["behavior_logp"])[segment].abs().max() <= tol * scale
+        assert ("engine_logp" in first) == scored
+        assert_segments_are_their_weights(first, (v1, v2), runner.config, tiny_model_dir)
     finally:
         runner.stop()
 
@@ -191,7 +204,6 @@ def test_evaluation_waits_for_the_groups_in_flight_and_streaming_goes_on(tiny_mo
     (dict(num_env_runners=0), "needs async_rollouts=True and num_env_runners >= 1"),
     (dict(round_delay={"median_s": 0.1}), "streaming has no round barrier to delay"),
     (dict(streaming=False, inflight_weight_updates=True), "needs streaming=True"),
-    (dict(inflight_weight_updates=True, recompute_behavior_logp=True), "keep the engine's own log-probs"),
     (dict(weight_sync="native", rollout_engine="vllm"), "set inflight_weight_updates=True"),
 ])
 def test_streaming_settings_it_cannot_serve_are_refused(tiny_model_dir, settings, needle):
@@ -267,11 +279,14 @@ def _row(batch, i: int) -> dict:
             "env_mask": batch["env_mask"][i][:n], "rewards": batch["rewards"][i]}
 
 
-def test_an_episode_spans_the_versions_loaded_while_it_is_played():
+@pytest.mark.parametrize("scored", [False, True], ids=["engine", "runner-scored"])
+def test_an_episode_spans_the_versions_loaded_while_it_is_played(scored):
     """Multi-turn episodes with `inflight_loads`: weights loaded during the first turn reach the
     rest of it and the later turns; each policy token keeps the version that sampled it, an
     env token its turn's last, a row's versions never go back, and its `policy_version` is its
-    oldest."""
+    oldest. `scored` (a runner that scores its rounds): each policy token's behaviour log-prob
+    is the learner's under its own version's weights, its episode's earlier turns and env
+    replies the context."""
     from test_episodes import MODEL, _config
 
     from m2po_rllib.models.builtin import resolve_model_path
@@ -279,16 +294,19 @@ def test_an_episode_spans_the_versions_loaded_while_it_is_played():
     from m2po_rllib.rollout.streaming import RoundStream
     from m2po_rllib.wire.batch import versions_spanned
 
-    runner = LLMEnvRunner(config=_config())
+    cfg = _config()
+    if scored:
+        cfg = cfg.training(async_rollouts=True, recompute_behavior_logp=True)
+    runner = LLMEnvRunner(config=cfg)
     try:
         path = resolve_model_path(MODEL)
         stream = RoundStream(runner.host, runner.plan_round, runner.pack_round, inflight_loads=True)
         g = runner.config.group_size
-        stream.put([dict(num_prompts=2, seed=41, stream=0, weights=_weights(path, 1, 0.0), first_sample_id=0,
-                         min_version=1)])
+        v1, v2 = _weights(path, 1, 0.0), _weights(path, 2, -0.01)
+        stream.put([dict(num_prompts=2, seed=41, stream=0, weights=v1, first_sample_id=0, min_version=1)])
         for _ in range(3):  # every episode's first turn has 3 tokens by version 1
             assert stream.advance()
-        stream.put([], weights=_weights(path, 2, 0.0))
+        stream.put([], weights=v2)
         batch = _take_all(stream, 1)[0]
         assert len(batch["sample_id"]) == 2 * g
         policy, env = batch["response_mask"] > 0, batch["env_mask"] > 0
@@ -299,6 +317,8 @@ def test_an_episode_spans_the_versions_loaded_while_it_is_played():
             assert batch["policy_version"][i] == 1
         assert (versions_spanned(batch) == 2).sum() >= 2
         assert max(_turns(m) for m in batch["response_mask"]) > 1  # later turns, all by version 2
+        if scored:
+            assert_segments_are_their_weights(batch, (v1, v2), runner.config, path)
     finally:
         runner.stop()
 

@@ -132,6 +132,9 @@ LOGP_MISMATCH_ESS = "rollout/logp_mismatch_ess"
 MISMATCH_LARGE = 0.1  # nats: a ratio off by more than ~10%
 LOGP_MISMATCH_TIMER = "logp_mismatch_timer"
 BEHAVIOR_LOGP_S = "rollout/behavior_logp_s"  # a runner's seconds recomputing behaviour log-probs
+# before weights loaded mid-sequence: the rows in flight scored so far (rollout/segments.py)
+SEGMENT_SCORE_S = "rollout/segment_score_s"
+SEGMENT_SCORE_ROWS = "rollout/segment_score_rows"
 
 # -- where a training result holds them (RLlib's nesting) ---------------------------------
 RUNNERS = ("env_runners",)

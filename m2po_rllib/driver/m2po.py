@@ -255,7 +255,7 @@ class M2PO(Algorithm):
         """A checkpoint with streaming runners: the updates in flight finish, the rounds in
         flight do not (they are read as far as they got: `RolloutSampler.snapshot_in_flight`);
         None where they cannot be (then `_drain` waits for them)."""
-        if not self._sampler.snapshots:
+        if not self._sampler.streaming:
             return None
         self._learners.wait_idle(self._absorb)
         wait_until(lambda: not self._sampler.calls_in_flight, lambda: self._collect_rounds(),

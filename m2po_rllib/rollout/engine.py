@@ -116,6 +116,10 @@ class Partial:
     rng_state: bytes | None = None
     """Its random stream's state after its last token (HF: the torch generator's), so the
     continued sample draws what the uninterrupted one would; None: a fresh stream."""
+    scored: list[float] | None = None
+    """Its tokens' behaviour log-probs in the learner's numerics, each under the weights that
+    sampled it, where its runner scores its rounds (`segments.SegmentScores`); None otherwise.
+    The engines carry it untouched: the resumed round's runner keeps it for these tokens."""
 
     def check(self, budget: int) -> None:
         """Refuses a partial that cannot go on within `budget` tokens: a log-prob and a version

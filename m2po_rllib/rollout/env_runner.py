@@ -47,6 +47,7 @@ from m2po_rllib.rollout.rounds import (
 )
 from m2po_rllib.common.threads import use_cpus
 from m2po_rllib.rollout.streaming import RoundPlan, RoundStream
+from m2po_rllib.rollout.segments import splice
 from m2po_rllib.wire.batch import pack_rollouts
 from m2po_rllib.wire.weights import PublishedWeights
 
@@ -255,7 +256,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if self.host.scorer is not None:  # behaviour log-probs in the learner's numerics
             t0 = time.perf_counter()
             batch["engine_logp"] = batch["behavior_logp"]
-            batch["behavior_logp"] = self.host.scorer.score(batch)
+            # tokens sampled by older weights (loaded mid-sequence, or resumed) keep the log-probs
+            # scored under those (`rows.scored`: segments.py)
+            batch["behavior_logp"] = splice(self.host.scorer.score(batch), rows.scored, batch["response_mask"])
             self.metrics.log_value(keys.BEHAVIOR_LOGP_S, time.perf_counter() - t0, reduce="mean")
         self._log_round(rows, int(batch["response_mask"].sum()), version)
         return batch

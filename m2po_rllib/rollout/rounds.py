@@ -82,6 +82,7 @@ class Rows:
     correct: list[bool] = field(default_factory=list)
     policy_masks: list[list[int]] | None = None  # multi-turn: 1 = the policy's token, 0 = the env's
     versions: list[list[int] | None] = field(default_factory=list)  # each token's version (None: unlabelled)
+    scored: list[list[float] | None] | None = None  # rows' behaviour log-probs kept so far (segments.py)
     metrics: dict[str, float] = field(default_factory=dict)  # per-episode means (multi-turn)
     generate_s: float = 0.0
     score_s: float = 0.0

@@ -345,7 +345,7 @@ class RolloutSampler:
         stream is read (`LLMEnvRunner.m2po_stream_snapshot`), its finished rounds filed, and
         the generating ones' partial groups returned by round. None where a runner cannot hand
         them over (then the caller drains them)."""
-        if not self.snapshots:
+        if not self.streaming:
             return None
         if self._calling:
             raise RuntimeError(f"streaming calls to runners {sorted(self._calling)} are in flight: collect them first")
@@ -362,12 +362,6 @@ class RolloutSampler:
                     n = int(entry["request"]["first_sample_id"]) // self.rows_per_round
                     partials[n] = {"resume": entry["resume"], "prompt_ids": entry["prompt_ids"]}
         return partials
-
-    @property
-    def snapshots(self) -> bool:
-        """Whether a checkpoint may read the rounds in flight instead of waiting for them:
-        streaming runners, and no scorer (it would rescore a resumed row by one version)."""
-        return self.streaming and not self.config.recompute_behavior_logp
 
     @property
     def calls_in_flight(self) -> int:

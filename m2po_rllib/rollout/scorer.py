@@ -22,7 +22,7 @@ import torch
 
 from m2po_rllib.rollout.hf_engine import load_weights_into
 from m2po_rllib.torch.logp import response_logp
-from m2po_rllib.wire.batch import to_train_batch
+from m2po_rllib.wire.batch import pack_rollouts, to_train_batch
 
 
 class BehaviorScorer:
@@ -104,3 +104,10 @@ class BehaviorScorer:
             out.append(logp.float().cpu().numpy())
         logp = np.concatenate(out)
         return np.where(rollout["response_mask"] > 0, logp, 0.0).astype(np.float32)
+
+    def score_rows(self, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+        """Each response's log-probs after its prompt (rows of tokens, not a rollout batch:
+        `segments.SegmentScores` scores rows still generating)."""
+        zeros = [[0.0] * len(r) for r in responses]
+        logp = self.score(pack_rollouts(prompts, responses, zeros, [0.0] * len(responses), 0))
+        return [logp[k, : len(r)] for k, r in enumerate(responses)]

@@ -16,6 +16,7 @@ from their oldest token, as with weights loaded mid-sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from m2po_rllib.rollout.engine import Completion, Partial
@@ -32,11 +33,16 @@ def request_only(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def round_entry(request: dict, plan, groups: dict[int, list[Completion]], partials: dict, first: int,
-                version: int) -> dict[str, Any]:
+                version: int, kept: Callable[[int, int], list[float] | None] | None = None) -> dict[str, Any]:
     """A round generating: every group's samples as far as they got (`partials`: the engine's,
-    by (first sample id, group))."""
+    by (first sample id, group)); `kept(first, row)`: a scoring runner's log-probs of each row so
+    far (`SegmentScores.kept`), handed over as `Partial.scored`."""
     resume = {i: [ended(c, version) for c in groups[i]] if i in groups else partials[(first, i)]
               for i in range(len(plan.prompt_ids))}
+    if kept is not None:
+        samples = [p for i in range(len(plan.prompt_ids)) for p in resume[i]]
+        for row, p in enumerate(samples):
+            p.scored = kept(first, row)
     return {"request": request_only(request), "resume": resume,
             "prompt_ids": {i: list(p) for i, p in enumerate(plan.prompt_ids)}}
 

@@ -48,8 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from m2po_rllib.common import keys
 from m2po_rllib.rollout.episodes import new_episodes, play_turn
 from m2po_rllib.rollout.rounds import played_rows, score_groups
+from m2po_rllib.rollout.segments import SegmentScores
 from m2po_rllib.rollout.stream_snapshot import check_resumed_prompts, oldest_version, request_only, round_entry
 
 WAIT_S = 0.2  # the longest a driver's call waits for a finished round
@@ -117,6 +119,8 @@ class RoundStream:
         self._held = False  # the thread is parked between two beats for them
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # a runner that scores its rounds: rows' log-probs under each segment's weights (segments.py)
+        self._segments = SegmentScores() if host.config.runners_recompute_behavior_logp else None
 
     # -- the driver's side (Ray's call thread) ---------------------------------------------
     def exchange(self, requests: list[dict], wait_s: float = WAIT_S, weights=None) -> tuple[list[dict], float]:
@@ -214,8 +218,13 @@ class RoundStream:
                     return None
                 done, self._done = self._done, []  # taken: handed over here, not by the next take
             partials = self.host.engine.partials() if active else {}
+            kept = None
+            if self._segments is not None:  # each token's log-prob under its weights, handed over with it
+                self._segments.settle(self.host.scorer, active, partials)
+                kept = self._segments.kept
             return ([{"request": request_only(r.request)} for r in pending]
-                    + [round_entry(r.request, r.plan, r.groups, partials, r.first_sample_id, r.version) for r in active]
+                    + [round_entry(r.request, r.plan, r.groups, partials, r.first_sample_id, r.version, kept)
+                       for r in active]
                     + [{"batch": batch} for batch in done])
 
     def stop(self) -> None:
@@ -233,6 +242,8 @@ class RoundStream:
             with self._cv:
                 newest = self._newest_weights()
             if newest is not None and not newest.native:  # native ones arrive by broadcast (between_steps)
+                if self._segments is not None and self._active and newest.version > self.host.version:
+                    self._settle()  # the rows so far, scored with the weights that sampled them
                 self.host.use(newest, mid_sequence=bool(self._active))
         started = False
         while self._start_next():
@@ -311,6 +322,8 @@ class RoundStream:
                 raise ValueError(f"the round from sample {r.first_sample_id} is multi-turn: it cannot be resumed")
             check_resumed_prompts(r.request.get("prompt_ids"), r.plan, r.first_sample_id)
             r.version = oldest_version(resume, r.version)
+            if self._segments is not None:
+                self._segments.seed(r.first_sample_id, resume)
         if r.plan.multi_turn:
             r.episodes = new_episodes(r.plan.envs, r.plan.prompt_ids)
             for e in range(len(r.episodes)):
@@ -326,6 +339,14 @@ class RoundStream:
         """(lock held) The newest weights this stream holds: the pending rounds' and those offered."""
         held = [p.request.get("weights") for p in self._pending] + [self._offered]
         return max((w for w in held if w is not None), key=lambda w: w.version, default=None)
+
+    def _settle(self) -> None:
+        """Scores the rows generating up to where they are, with the weights the runner serves
+        (about to be replaced mid-sequence): `SegmentScores.settle`."""
+        t0 = time.perf_counter()
+        rows = self._segments.settle(self.host.scorer, list(self._active.values()), self.host.engine.partials())
+        self.host.metrics.log_value(keys.SEGMENT_SCORE_S, time.perf_counter() - t0, reduce="mean")
+        self.host.metrics.log_value(keys.SEGMENT_SCORE_ROWS, rows, reduce="sum")
 
     def _submit_turn(self, r: _Round, e: int) -> None:
         """Episode e's next turn (its `turns` played so far), its context all it has so far."""
@@ -353,6 +374,8 @@ class RoundStream:
             else:
                 groups = [r.groups[i] for i in range(len(r.plan.prompt_ids))]
                 rows = score_groups(r.plan.envs, r.plan.prompt_ids, groups, generate_s=generate_s)
+            if self._segments is not None:
+                rows.scored = self._segments.take(first, len(rows.rewards))
             batch = self._pack(rows, first, r.version)
             with self._cv:
                 self._done.append(batch)

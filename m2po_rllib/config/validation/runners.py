@@ -302,9 +302,4 @@ def _check_inflight_weight_updates(config) -> list[Problem]:
         out.append(problem(("inflight_weight_updates", "streaming"),
                            "`inflight_weight_updates=True` loads weights into a streaming runner's engine between two "
                            "decoding steps; it needs streaming=True (round-based runners load between rounds)"))
-    if config.recompute_behavior_logp:
-        out.append(problem(("inflight_weight_updates", "recompute_behavior_logp"),
-                           "`recompute_behavior_logp=True` rescores a round with the weights its runner serves when it "
-                           "ends, and a row that crossed a load was sampled by several: keep the engine's own "
-                           "log-probs (recompute_behavior_logp=False), or inflight_weight_updates=False"))
     return out

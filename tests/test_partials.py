@@ -173,6 +173,76 @@ def test_a_streams_rounds_handed_over_mid_generation_go_on_from_where_they_were(
     assert set(done[1 * 2 * 4]["policy_version"].tolist()) == {2}  # round 1: begun by the second runner
 
 
+@pytest.mark.parametrize("scored", [False, True], ids=["engine", "runner-scored"])
+def test_a_multi_turn_round_handed_over_mid_episode_goes_on_from_where_it_was(scored):
+    """A multi-turn round read with episodes past their first turn and a turn in flight: another
+    runner replays each episode's played turns into its own env (reset on the same seed) and
+    continues the turn in flight. With the same weights (under a new version) the round is the
+    uninterrupted one, token for token (the HF engine continues each sample's random stream),
+    its env replies and rewards included; the handed-over tokens keep their version. An env
+    that replies otherwise on the replay is refused. `scored` (runners that score their
+    rounds, other weights after the hand-over): each policy token's behaviour log-prob is its
+    own weights'."""
+    from test_episodes import MODEL, _config
+    from test_streaming import _take_all, _weights, assert_segments_are_their_weights
+
+    from m2po_rllib.models.builtin import resolve_model_path
+    from m2po_rllib.rollout.env_runner import LLMEnvRunner
+    from m2po_rllib.rollout.streaming import RoundStream
+
+    cfg = _config().training(async_rollouts=True, recompute_behavior_logp=True) if scored else _config()
+    first, second = LLMEnvRunner(config=cfg), LLMEnvRunner(config=cfg)
+    try:
+        path = resolve_model_path(MODEL)
+        v1, v2 = _weights(path, 1, 0.0), _weights(path, 2, -0.01 if scored else 0.0)
+        stream = RoundStream(first.host, first.plan_round, first.pack_round)
+        stream.put([dict(num_prompts=2, seed=41, stream=0, weights=v1, first_sample_id=0, min_version=1)])
+        for _ in range(40):  # until an episode is in its second turn, a token or more into it
+            assert stream.advance()
+            (r,) = stream._active.values()
+            partials = first.engine.partials()
+            if any(e.turns >= 1 and not e.done and partials[(0, i)][0].token_ids for i, e in enumerate(r.episodes)):
+                break
+        (entry,) = stream.snapshot()
+        handed = entry["resume"]
+        mid = [e for e, so_far in handed.items() if so_far.played and so_far.turn is not None and so_far.turn.token_ids]
+        assert mid, "no episode was handed over mid-turn after its first turn"
+        uninterrupted = _take_all(stream, 1)[0]  # the first runner goes on
+
+        request = {**entry["request"], "weights": v2, "resume": handed, "prompt_ids": entry["prompt_ids"]}
+        if not scored:  # an env whose replies on the replay differ from the saved row: refused
+            e = mid[0]
+            tampered = dict(handed)
+            tampered[e] = dataclasses.replace(handed[e], token_ids=handed[e].token_ids[:-1] + [handed[e].token_ids[-1] + 1])
+            refused = RoundStream(second.host, second.plan_round, second.pack_round)
+            refused.put([{**request, "resume": tampered}])
+            with pytest.raises(ValueError, match=f"episode {e} .* replied otherwise"):
+                refused.advance()
+        resumed = RoundStream(second.host, second.plan_round, second.pack_round)
+        resumed.put([request])
+        got = _take_all(resumed, 1)[0]
+    finally:
+        first.stop()
+        second.stop()
+    real = (got["response_mask"] > 0) | (got["env_mask"] > 0)
+    for e, so_far in handed.items():
+        k = len(so_far.token_ids) + (len(so_far.turn.token_ids) if so_far.turn is not None else 0)
+        assert got["response_ids"][e][:k].tolist() == so_far.token_ids + (so_far.turn.token_ids if so_far.turn else [])
+        versions = got["token_version"][e][real[e]].tolist()
+        assert versions[:k] == [1] * k and set(versions[k:]) <= {2}
+        if scored:
+            policy = got["response_mask"][e][:k] > 0  # an env token has no log-prob
+            np.testing.assert_array_equal(got["behavior_logp"][e][:k][policy], np.asarray(so_far.scored, np.float32)[policy])
+    if scored:
+        assert_segments_are_their_weights(got, (v1, v2), cfg, path)
+    else:
+        for key in ("response_ids", "response_mask", "env_mask", "rewards", "sample_id"):
+            np.testing.assert_array_equal(got[key], uninterrupted[key], err_msg=key)
+        tol = decoder_rtol(AutoConfig.from_pretrained(path), tokens=got["prompt_ids"].shape[1] + got["response_ids"].shape[1])
+        scale = max(1.0, float(np.abs(uninterrupted["behavior_logp"]).max()))
+        np.testing.assert_allclose(got["behavior_logp"], uninterrupted["behavior_logp"], atol=tol * scale, rtol=0)
+
+
 # -- a checkpoint taken with rounds generating (the algorithm, remote streaming runners) --------
 @pytest.mark.slow
 def test_streaming_trains_within_the_bound_and_loses_nothing_across_a_checkpoint_and_a_kill(

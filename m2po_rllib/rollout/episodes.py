@@ -53,6 +53,7 @@ class Episode:
     dropped_chars: int = 0  # characters the env inserted that the tokenizer has no token for
     done: bool = False
     truncated: bool = False
+    played: list = field(default_factory=list)  # its policy turns' Completions, as played (a snapshot's replay)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, policy: bool,
                versions: Sequence[int] | None = None) -> None:
@@ -114,6 +115,7 @@ def play_turn(episode: Episode, completion, max_tokens: int | None, last_turn: b
     appends the env's reply or ends the episode (`max_tokens`: the cap on everything after
     the prompt, None for none; `last_turn`: no policy turn may follow). The next turn's
     context is `episode.prompt_ids + episode.token_ids`; `episode.turns` turns were played."""
+    episode.played.append(completion)
     budget = math.inf if max_tokens is None else int(max_tokens)
     room = budget - len(episode.token_ids)
     ids, logprobs, versions = list(completion.token_ids), list(completion.logprobs), completion.token_versions()

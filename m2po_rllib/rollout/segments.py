@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from m2po_rllib.rollout.stream_snapshot import handed_rows
+
 
 def rows_so_far(r, partials: dict) -> Iterator[tuple[int, list[int], list[int]]]:
     """(row, prompt, response so far) for each row of a streaming round generating (`_Round`),
@@ -69,22 +71,19 @@ class SegmentScores:
 
     def seed(self, first: int, resume: dict) -> None:
         """A resumed round's handed-over tokens keep the log-probs their runner scored
-        (`Partial.scored`) under the weights that sampled them."""
-        row = 0
-        for i in sorted(resume):
-            for p in resume[i]:
-                if p.token_ids and p.scored is None:
-                    raise ValueError(
-                        f"the round from sample {first} was saved without its runner's behaviour log-probs "
-                        "(recompute_behavior_logp was off when its checkpoint was taken): resume it with "
-                        "recompute_behavior_logp=False, as it was saved"
-                    )
-                if p.scored is not None:
-                    if len(p.scored) != len(p.token_ids):
-                        raise ValueError(f"a partial sample of {len(p.token_ids)} tokens has {len(p.scored)} "
-                                         "scored log-probs")
-                    self._kept[(first, row)] = np.asarray(p.scored, np.float32)
-                row += 1
+        (`Partial.scored`, `EpisodeSoFar.scored`) under the weights that sampled them."""
+        for row, (_, scored, n) in enumerate(handed_rows(resume)):
+            if n and scored is None:
+                raise ValueError(
+                    f"the round from sample {first} was saved without its runner's behaviour log-probs "
+                    "(recompute_behavior_logp was off when its checkpoint was taken): resume it with "
+                    "recompute_behavior_logp=False, as it was saved"
+                )
+            if scored is not None:
+                if len(scored) != n:
+                    raise ValueError(f"row {row} of the round from sample {first} was handed over with {n} tokens "
+                                     f"and {len(scored)} scored log-probs")
+                self._kept[(first, row)] = np.asarray(scored, np.float32)
 
     def take(self, first: int, n_rows: int) -> list[list[float] | None]:
         """The kept prefixes of the round from sample `first` (its `n_rows` rows), forgotten here."""

@@ -52,7 +52,7 @@ from m2po_rllib.common import keys
 from m2po_rllib.rollout.episodes import new_episodes, play_turn
 from m2po_rllib.rollout.rounds import played_rows, score_groups
 from m2po_rllib.rollout.segments import SegmentScores
-from m2po_rllib.rollout.stream_snapshot import check_resumed_prompts, oldest_version, request_only, round_entry
+from m2po_rllib.rollout.stream_snapshot import check_resumed_prompts, oldest_version, replay, request_only, round_entry
 
 WAIT_S = 0.2  # the longest a driver's call waits for a finished round
 
@@ -207,15 +207,13 @@ class RoundStream:
     def snapshot(self) -> list[dict] | None:
         """Every round this stream holds and the driver has not taken, as far as it got
         (stream_snapshot.py), read between two beats of the generating thread; None where
-        that cannot be handed over (an engine without `resumes_partial`, a multi-turn round
-        generating): the caller waits for the rounds instead. Finished rounds are taken."""
+        that cannot be handed over (an engine without `resumes_partial`): the caller waits for
+        the rounds instead. Finished rounds are taken."""
         if not self.host.engine.resumes_partial:
             return None
         with self.between_steps():
             with self._cv:
                 pending, active = list(self._pending), list(self._active.values())
-                if any(r.episodes is not None for r in active):
-                    return None
                 done, self._done = self._done, []  # taken: handed over here, not by the next take
             partials = self.host.engine.partials() if active else {}
             kept = None
@@ -223,8 +221,7 @@ class RoundStream:
                 self._segments.settle(self.host.scorer, active, partials)
                 kept = self._segments.kept
             return ([{"request": request_only(r.request)} for r in pending]
-                    + [round_entry(r.request, r.plan, r.groups, partials, r.first_sample_id, r.version, kept)
-                       for r in active]
+                    + [round_entry(r, partials, kept) for r in active]
                     + [{"batch": batch} for batch in done])
 
     def stop(self) -> None:
@@ -318,16 +315,18 @@ class RoundStream:
         r.started = time.perf_counter()
         resume = r.request.get("resume")
         if resume:  # a round of a checkpoint, continued: its rows are as old as their oldest token
-            if r.plan.multi_turn:
-                raise ValueError(f"the round from sample {r.first_sample_id} is multi-turn: it cannot be resumed")
             check_resumed_prompts(r.request.get("prompt_ids"), r.plan, r.first_sample_id)
             r.version = oldest_version(resume, r.version)
             if self._segments is not None:
                 self._segments.seed(r.first_sample_id, resume)
         if r.plan.multi_turn:
             r.episodes = new_episodes(r.plan.envs, r.plan.prompt_ids)
-            for e in range(len(r.episodes)):
-                self._submit_turn(r, e)
+            # a resumed episode's played turns replayed into its env, all before any turn starts
+            turns = [replay(episode, resume[e], r.plan, e, r.first_sample_id) if resume else None
+                     for e, episode in enumerate(r.episodes)]
+            for e, episode in enumerate(r.episodes):
+                if not episode.done:
+                    self._submit_turn(r, e, turns[e])
         else:
             for i, prompt in enumerate(r.plan.prompt_ids):
                 engine.submit((r.first_sample_id, i), prompt, r.plan.sampling, index=i,
@@ -348,11 +347,12 @@ class RoundStream:
         self.host.metrics.log_value(keys.SEGMENT_SCORE_S, time.perf_counter() - t0, reduce="mean")
         self.host.metrics.log_value(keys.SEGMENT_SCORE_ROWS, rows, reduce="sum")
 
-    def _submit_turn(self, r: _Round, e: int) -> None:
-        """Episode e's next turn (its `turns` played so far), its context all it has so far."""
+    def _submit_turn(self, r: _Round, e: int, resume=None) -> None:
+        """Episode e's next turn (its `turns` played so far), its context all it has so far;
+        `resume`: the turn as far as it got (a `Partial`, from a snapshot)."""
         episode = r.episodes[e]
         self.host.engine.submit((r.first_sample_id, e), episode.prompt_ids + episode.token_ids,
-                                r.plan.sampling(episode.turns), index=e)
+                                r.plan.sampling(episode.turns), index=e, resume=[resume] if resume else None)
 
     def _step(self) -> None:
         """One engine step; rounds whose last group finished are scored, packed and filed."""

@@ -14,6 +14,11 @@ Variants (each in a fresh process, one at a time; nothing else should run beside
   generation, not the learner, is what the run waits for;
 - `inflight`: streaming with `env_runners.inflight_weight_updates=true` (weights loaded
   mid-sequence, at every publish);
+- `scored-streaming`, `scored-inflight`: `streaming` and `inflight` with
+  `training.recompute_behavior_logp=true` (each runner scores its rounds in the learner's
+  numerics; with loads mid-sequence, the rows in flight are scored before each load:
+  `rollout/segments.py`): the cost of scoring segment by segment (`segment_s_mean`, the
+  runner's seconds per settle, and the updates/s against scoring without mid-sequence loads);
 - `native-rounds`, `native-inflight`: vLLM runners with native weight sync (the learner
   broadcasts each update), round-based against streaming with weights loaded mid-sequence:
   the learner's wait per broadcast (`weights/native_send_s`: a round-based runner receives
@@ -54,6 +59,9 @@ VARIANTS = {
     "rounds-1runner": ONE_RUNNER,
     "streaming-1runner": ONE_RUNNER + ["env_runners.streaming=true"],
     "inflight": ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true"],
+    "scored-streaming": ["env_runners.streaming=true", "training.recompute_behavior_logp=true"],
+    "scored-inflight": ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true",
+                        "training.recompute_behavior_logp=true"],
     "native-rounds": NATIVE,
     "native-inflight": NATIVE + ["env_runners.streaming=true", "env_runners.inflight_weight_updates=true"],
 }
@@ -97,6 +105,8 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
                 token_age=result.get("staleness/token_mean"), spanned=result.get("staleness/versions_spanned_max"),
                 update_s=result.get("timers", {}).get("learner_update_timer"),
                 native_send_s=result.get(keys.NATIVE_SYNC_S),  # the iteration's last broadcast
+                behavior_s=result["env_runners"].get(keys.BEHAVIOR_LOGP_S),  # a runner's scoring of a round
+                segment_s=result["env_runners"].get(keys.SEGMENT_SCORE_S),  # of the rows in flight, per load
             ))
         warm = max(3, iters // 5)  # start-up and the first steps
         seconds = sum(r["seconds"] for r in rows[warm:])
@@ -117,6 +127,7 @@ def child(variant: str, iters: int, seed: int, eval_problems: int) -> dict:
                 (r["spanned"] for r in rows if r["spanned"] is not None), default=None),
             "update_s_mean": mean("update_s"),  # the learner's seconds per step (it pads to the longest row)
             "native_send_s_mean": mean("native_send_s"),  # the learner's wait per broadcast (native sync)
+            "behavior_s_mean": mean("behavior_s"), "segment_s_mean": mean("segment_s"),
             "trained_max_staleness": max(r["trained_max"] for r in rows if r["trained_max"] is not None),
             "policy_version": rows[-1]["version"],
         }
@@ -173,6 +184,9 @@ def summarize(report: dict) -> list[str]:
     ratio("streaming", "rounds", "tokens_per_busy_s_per_runner", "greater", "> 1x")
     ratio("inflight", "streaming", "updates_per_s", "greater", "> 1x")
     ratio("inflight", "streaming", "token_age_mean", "less", "< 1x")
+    ratio("scored-inflight", "scored-streaming", "updates_per_s", "greater", "> 1x")
+    ratio("scored-inflight", "inflight", "updates_per_s", "greater", "> 1x")
+    ratio("scored-inflight", "scored-streaming", "token_age_mean", "less", "< 1x")
     ratio("native-inflight", "native-rounds", "native_send_s_mean", "less", "< 1x")
     ratio("native-inflight", "native-rounds", "updates_per_s", "greater", "> 1x")
     ratio("streaming", "rounds-even", "tokens_per_busy_s_per_runner", "not_lower", ">= 0.9x",
@@ -212,7 +226,9 @@ def main() -> None:
                   f"answer {r['response_len']:.1f} tokens  age mean {r['staleness_mean']:.1f} max "
                   f"{r['trained_max_staleness']:.0f}  token age {r['token_age_mean']:.2f}"
                   f"  versions per row <= {r['versions_spanned_max'] or 1:.0f}"
-                  + (f"  broadcast {r['native_send_s_mean']:.3f} s" if r["native_send_s_mean"] is not None else ""),
+                  + (f"  broadcast {r['native_send_s_mean']:.3f} s" if r["native_send_s_mean"] is not None else "")
+                  + (f"  scoring {r['behavior_s_mean']:.3f} s/round" if r.get("behavior_s_mean") is not None else "")
+                  + (f"  {r['segment_s_mean']:.3f} s/load" if r.get("segment_s_mean") is not None else ""),
                   flush=True)
     if args.only in (None, "accuracy"):
         for seed in args.seeds:

@@ -33,8 +33,8 @@ def rows_so_far(r, partials: dict) -> Iterator[tuple[int, list[int], list[int]]]
     first = r.first_sample_id
     if r.episodes is not None:
         for e, episode in enumerate(r.episodes):
-            turn = [] if episode.done else partials.get((first, e), [None])[0]
-            yield e, episode.prompt_ids, list(episode.token_ids) + (list(turn.token_ids) if turn else [])
+            turn = None if episode.done else partials.get((first, e), [None])[0]
+            yield e, episode.prompt_ids, list(episode.token_ids) + (list(turn.token_ids) if turn is not None else [])
         return
     row = 0
     for i, prompt in enumerate(r.plan.prompt_ids):
@@ -50,9 +50,9 @@ class SegmentScores:
         self._kept: dict[tuple[int, int], np.ndarray] = {}
 
     def settle(self, scorer, rounds, partials: dict) -> int:
-        """Scores, with `scorer`'s weights now (a `BehaviorScorer`), every row of `rounds` (streaming rounds
-        generating) that grew since its last settle, and keeps its new tokens' log-probs.
-        Returns the rows scored."""
+        """Scores, with `scorer`'s weights now (a `BehaviorScorer`), every row of `rounds`
+        (streaming rounds generating) that grew since its last settle, and keeps its new
+        tokens' log-probs. Returns the rows scored."""
         grown = [(r.first_sample_id, row, prompt, response)
                  for r in rounds for row, prompt, response in rows_so_far(r, partials)
                  if len(response) > len(self._kept.get((r.first_sample_id, row), ()))]

@@ -179,14 +179,18 @@ class EngineHost:
             return self._engine.version
         return self._pending[1] if self._pending is not None else -1
 
-    def load(self, version: int, fetch: Callable[[], dict], mid_sequence: bool = False) -> None:
+    def load(self, version: int, fetch: Callable[[], dict], mid_sequence: bool = False,
+             before_load: Callable[[], None] | None = None) -> None:
         """Loads the weights `fetch()` returns if `version` is newer than this runner's (the
         one check: older or duplicate versions are never fetched nor loaded); `mid_sequence`:
-        with streamed groups in flight (`GenerationEngine.update_weights`)."""
+        with streamed groups in flight (`GenerationEngine.update_weights`); `before_load`: run
+        just before the engine's weights change (a streaming runner's rows scored so far)."""
         if version <= self.version:
             return
         weights = fetch()
         if self._engine is not None and self._engine.is_healthy():
+            if before_load is not None:
+                before_load()
             t0 = time.perf_counter()
             self._apply(weights, version, mid_sequence)
             self.metrics.log_value(keys.WEIGHT_SYNC_S, time.perf_counter() - t0, reduce="mean")
@@ -200,7 +204,8 @@ class EngineHost:
             self.scorer.load(weights)
         return loaded
 
-    def use(self, published: PublishedWeights | None, mid_sequence: bool = False) -> None:
+    def use(self, published: PublishedWeights | None, mid_sequence: bool = False,
+            before_load: Callable[[], None] | None = None) -> None:
         """A request's weights: loaded if newer (the object store's path). Native ones were
         broadcast to the engine (`receive`); a runner without them (it restarted and the group
         is not formed again yet) samples with what it serves, and its rows say which version."""
@@ -211,7 +216,7 @@ class EngineHost:
                 logger.warning("EnvRunner %d serves version %d; version %d went by native sync without it",
                                self.worker_index, self.version, published.version)
             return
-        self.load(published.version, published.get, mid_sequence)
+        self.load(published.version, published.get, mid_sequence, before_load)
 
     # -- native weight sync (weight_sync="native") -----------------------------------------
     def layout(self) -> dict[str, list[int]]:

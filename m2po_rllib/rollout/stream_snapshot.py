@@ -21,6 +21,7 @@ from their oldest token, as with weights loaded mid-sequence. Where the runner s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,9 +75,11 @@ def round_entry(r, partials: dict, kept: Callable[[int, int], list[float] | None
     else:
         resume = {i: [ended(c, r.version) for c in r.groups[i]] if i in r.groups else partials[(first, i)]
                   for i in range(len(plan.prompt_ids))}
-        if kept is not None:
-            for row, p in enumerate(p for i in range(len(plan.prompt_ids)) for p in resume[i]):
-                p.scored = kept(first, row)
+        if kept is not None:  # copies: the engine's own partials are not written to
+            row = 0
+            for i in range(len(plan.prompt_ids)):
+                resume[i] = [dataclasses.replace(p, scored=kept(first, row + j)) for j, p in enumerate(resume[i])]
+                row += len(resume[i])
     return {"request": request_only(r.request), "resume": resume,
             "prompt_ids": {i: list(p) for i, p in enumerate(plan.prompt_ids)}}
 
@@ -121,8 +124,7 @@ def replay(episode: Episode, so_far: EpisodeSoFar, plan, e: int, first: int) -> 
     turn in flight to continue (None: it had ended, or its turn had no token yet). Refuses an
     env whose replies differ from the saved row: its state would not be the one saved."""
     for p in so_far.played:
-        turn = Completion(list(p.token_ids), list(p.logprobs), p.text or "", p.finish_reason or "stop",
-                          version_spans(p.versions))
+        turn = Completion(list(p.token_ids), list(p.logprobs), p.text, p.finish_reason, version_spans(p.versions))
         play_turn(episode, turn, plan.max_tokens, last_turn=episode.turns == plan.max_turns - 1)
     if episode.token_ids != so_far.token_ids or episode.done != (so_far.turn is None):
         raise ValueError(

@@ -218,7 +218,7 @@ class RoundStream:
             partials = self.host.engine.partials() if active else {}
             kept = None
             if self._segments is not None:  # each token's log-prob under its weights, handed over with it
-                self._segments.settle(self.host.scorer, active, partials)
+                self._settle(active, partials)
                 kept = self._segments.kept
             return ([{"request": request_only(r.request)} for r in pending]
                     + [round_entry(r, partials, kept) for r in active]
@@ -239,9 +239,9 @@ class RoundStream:
             with self._cv:
                 newest = self._newest_weights()
             if newest is not None and not newest.native:  # native ones arrive by broadcast (between_steps)
-                if self._segments is not None and self._active and newest.version > self.host.version:
-                    self._settle()  # the rows so far, scored with the weights that sampled them
-                self.host.use(newest, mid_sequence=bool(self._active))
+                # the rows so far scored with the weights that sampled them, before they change
+                settle = self._settle if self._segments is not None and self._active else None
+                self.host.use(newest, mid_sequence=bool(self._active), before_load=settle)
         started = False
         while self._start_next():
             started = True
@@ -339,11 +339,14 @@ class RoundStream:
         held = [p.request.get("weights") for p in self._pending] + [self._offered]
         return max((w for w in held if w is not None), key=lambda w: w.version, default=None)
 
-    def _settle(self) -> None:
-        """Scores the rows generating up to where they are, with the weights the runner serves
-        (about to be replaced mid-sequence): `SegmentScores.settle`."""
+    def _settle(self, rounds: list[_Round] | None = None, partials: dict | None = None) -> None:
+        """Scores the rows of `rounds` (None: those generating) up to where they are
+        (`partials`: the engine's, None: read now), with the weights the runner serves (about
+        to be replaced mid-sequence, or read by a snapshot): `SegmentScores.settle`."""
         t0 = time.perf_counter()
-        rows = self._segments.settle(self.host.scorer, list(self._active.values()), self.host.engine.partials())
+        rounds = list(self._active.values()) if rounds is None else rounds
+        partials = self.host.engine.partials() if partials is None else partials
+        rows = self._segments.settle(self.host.scorer, rounds, partials)
         self.host.metrics.log_value(keys.SEGMENT_SCORE_S, time.perf_counter() - t0, reduce="mean")
         self.host.metrics.log_value(keys.SEGMENT_SCORE_ROWS, rows, reduce="sum")
 

@@ -111,6 +111,33 @@ def test_validate_weight_sync(tiny_model_dir, runners, training, needle, at_faul
     assert set(err.value.settings) == at_fault
 
 
+@pytest.mark.parametrize(
+    "runners, needle, at_fault",
+    [
+        (dict(engine_kwargs={"core": "thread"}), "engine_kwargs core ('thread') must be one of ('process', 'inline', "
+         "'auto')", {"engine_kwargs"}),
+        (dict(engine_kwargs={"core": "inline"}, num_env_runners=0), "engine_kwargs core='inline' runs vLLM's worker "
+         "inline, in the algorithm's own process (num_env_runners is 0)", {"engine_kwargs", "num_env_runners"}),
+        (dict(engine_kwargs={"core": "auto"}, num_env_runners=0), "set core='process', or num_env_runners >= 1",
+         {"engine_kwargs", "num_env_runners"}),
+    ],
+)
+def test_validate_engine_core(tiny_model_dir, runners, needle, at_fault):
+    """Where vLLM's engine core runs: one of its values, inline only in a runner's own process."""
+    cfg = tiny_config(tiny_model_dir).env_runners(**{"num_env_runners": 1, "rollout_engine": "vllm", **runners})
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert needle in str(err.value)
+    assert set(err.value.settings) == at_fault
+
+
+@pytest.mark.parametrize("core, runners", [("process", 0), ("inline", 1), ("auto", 1)])
+def test_the_engine_core_may_run_inline_in_a_runner_of_its_own(tiny_model_dir, core, runners):
+    cfg = tiny_config(tiny_model_dir).env_runners(num_env_runners=runners, rollout_engine="vllm",
+                                                  engine_kwargs={"core": core})
+    cfg.validate()
+
+
 def test_native_weight_sync_picks_gloo_without_whole_gpus_and_sends_the_served_dtype(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir).env_runners(num_env_runners=1, rollout_engine="vllm", weight_sync="native")
     cfg.validate()

@@ -67,6 +67,9 @@ def test_native_sync_sends_what_changed_between_async_rounds_and_survives_engine
     weight-sync test, and the algorithm's object-store path every HF-runner test's.)"""
     config = _config(tiny_model_dir, weight_sync="native", weight_sync_only_changed=True,
                      weight_sync_bucket_bytes=100_000)
+    # the engine core and its worker in processes of their own (on CPU a runner's default is
+    # inline): the engine dies under a runner that lives on
+    config.env_runners(engine_kwargs={"kv_cache_space_gb": 1, "max_model_len": 64, "core": "process"})
     config.training(async_rollouts=True, max_staleness=3, logp_mismatch_interval=0)
     layout = weight_layout(tiny_model_dir)
     algo = config.build_algo()
@@ -126,6 +129,9 @@ def test_streaming_vllm_runner_trains_one_version_per_round_within_the_bound(ray
             gaps.append(result["rollout/logp_mismatch_max"])
         assert max(gaps) < 1e-3
         assert algo.env_runner_group.foreach_env_runner(lambda r: r._stream is not None, local_env_runner=False) == [True]
+        # on CPU a runner's engine runs inline (engine_kwargs core "auto"): its worker is the runner's process
+        assert algo.env_runner_group.foreach_env_runner(
+            lambda r: (r.engine.core_inline, r.engine.worker_pids == [os.getpid()]), local_env_runner=False) == [(True, True)]
         ids = np.concatenate(seen).tolist()
         assert sorted(ids) == list(range(len(ids))) and algo.policy_version == 8
     finally:

@@ -137,10 +137,10 @@ class M2POConfig(DerivedSettings, AlgorithmConfig):
         # LLM runners have no connector state to merge; RLlib's per-iteration merge would ask
         # every runner for it and wait behind its round in flight (IMPALA turns it off too).
         self._dont_auto_sync_env_runner_states = True
-        # auto: vllm with a GPU, else the transformers engine (faster for tiny models
-        # on CPU; see docs/guide/gpus-and-clusters.md).
+        # auto: vllm with a GPU, else the transformers engine (faster for tiny models on CPU).
         self.rollout_engine = "auto"
-        # The engine's keyword arguments (dtype, gpu_memory_utilization, max_model_len, ...).
+        # The engine's keyword arguments (dtype, gpu_memory_utilization, max_model_len, ...;
+        # vLLM's `core`: a remote runner's "auto" runs its engine core inline on CPU).
         self.engine_kwargs = {}
         # How the learner's weights reach the runners' engines (sync/):
         # "object_store" (every runner fetches one `ray.put` of them and loads it through its

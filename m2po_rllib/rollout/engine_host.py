@@ -113,8 +113,9 @@ class EngineHost:
             if self.config.colocate:  # the learner's GPU: a share of its memory, given back during updates
                 kwargs.setdefault("sleep_mode", True)
                 kwargs.setdefault("gpu_memory_utilization", COLOCATED_GPU_MEMORY_UTILIZATION)
-            if self.worker_index > 0:
+            if self.worker_index > 0:  # a runner actor: the process is the engine's own
                 kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
+                kwargs.setdefault("core", "auto")  # inline on CPU (vllm_cpu.py)
         if self.seed is not None:
             kwargs.setdefault("seed", self.seed)
         path = model_path(self.config)

@@ -18,6 +18,7 @@ from m2po_rllib.common.errors import ConfigError
 from m2po_rllib.config.validation.problems import Check, Problem, check_types, problem
 from m2po_rllib.config.validation.runners import (
     check_colocate,
+    check_engine_core,
     check_episode_budget,
     check_gpu_requests,
     check_rollout_mode,
@@ -41,7 +42,8 @@ from m2po_rllib.config.validation.values import (
 STAGES: tuple[tuple[Check, ...], ...] = (
     (check_loss, check_correction, check_optimization, check_sampling, check_model_and_env, check_evaluation),
     (check_batch_shapes, check_episode_budget),
-    (check_rollout_mode, check_weight_sync, check_gpu_requests, check_colocate, check_streaming),
+    (check_rollout_mode, check_weight_sync, check_gpu_requests, check_engine_core, check_colocate,
+     check_streaming),
 )
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The runners' side of `validate()`: an episode fits the model (stage 3), weight sync, the
-rollout mode and its staleness bound (fixed or "auto"), GPU requests, colocation and
-streaming (stage 4)."""
+rollout mode and its staleness bound (fixed or "auto"), GPU requests, where vLLM's engine
+core runs, colocation and streaming (stage 4)."""
 
 from __future__ import annotations
 
@@ -238,6 +238,25 @@ def check_gpu_requests(config) -> list[Problem]:
         "with the main process's devices). Set num_env_runners >= 1 to give each runner a GPU, or "
         "num_gpus_per_env_runner=0 (with num_gpus_per_learner > 0 the main process has the GPU)",
     )]
+
+
+def check_engine_core(config) -> list[Problem]:
+    """`engine_kwargs` `core` (where vLLM's engine core runs, rollout/vllm_cpu.py): one of its
+    values, and inline only in a process that is the engine's own (a remote runner)."""
+    from m2po_rllib.rollout.vllm_cpu import CORES
+
+    core = (config.engine_kwargs or {}).get("core")
+    if core is None or config.resolved_rollout_engine() != "vllm":
+        return []
+    if core not in CORES:
+        return [problem("engine_kwargs", f"engine_kwargs core ({core!r}) must be one of {CORES}: 'auto' (inline "
+                                         "on CPU), 'process' (vLLM's default), 'inline'")]
+    if core != "process" and config.num_env_runners < 1 and not config.in_evaluation:
+        return [problem(("engine_kwargs", "num_env_runners"), (
+            f"engine_kwargs core={core!r} runs vLLM's worker inline, in the algorithm's own process "
+            "(num_env_runners is 0), which it would take over (its random seeds, torch's threads, "
+            "torch.distributed's default group): set core='process', or num_env_runners >= 1"))]
+    return []
 
 
 def check_colocate(config) -> list[Problem]:

@@ -193,11 +193,12 @@ def test_the_algorithm_restores_a_whole_checkpoint_after_a_kill_at_any_step(mode
 
 # -- a real kill -9 of `m2po train` in the middle of a save ----------------------------------
 @pytest.mark.slow
-def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, tmp_path):
+def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, tmp_path, ray_session, capfd,
+                                                                monkeypatch):
     import tempfile
 
     from _processes import assert_all_end, ray_processes_of
-    from test_cli import _overrides, _user_env
+    from test_cli import _m2po_here, _overrides, _user_env
 
     run = tmp_path / "run"
     # the job's own local Ray, in a temp dir of its own (short: Ray's sockets live under it)
@@ -236,13 +237,13 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
     assert found is not None
     saved_iteration = json.loads((found / checkpoints.MANIFEST).read_text())["iteration"]
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--resume", str(run), "--stop-iters",
-         str(saved_iteration + 1), "--no-progress"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed {run} at iteration {saved_iteration}" in resumed.stdout
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    # resumed in this process, on the test session's Ray (the killed job above is the user's shell)
+    monkeypatch.chdir(repo)
+    code, stdout, err = _m2po_here(capfd, "train", "--resume", str(run), "--stop-iters", str(saved_iteration + 1),
+                                   "--no-progress")
+    assert code == 0, err[-3000:]
+    assert f"resumed {run} at iteration {saved_iteration}" in stdout
     summary = json.loads((run / "summary.json").read_text())
     history = json.loads((run / "history.json").read_text())
     assert summary["iterations"] == saved_iteration + 1
@@ -253,7 +254,6 @@ def test_kill_9_during_a_save_of_m2po_train_loses_nothing_saved(tiny_model_dir, 
     assert {b - a for a, b in zip(versions, versions[1:])} <= {0, 2} and versions[-1] > 0
     assert summary["policy_version"] == versions[-1]
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
-    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 def _iteration(run: Path) -> int:

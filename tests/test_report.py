@@ -8,12 +8,11 @@ than the random tiny model: its held-out accuracy is not 0, so the equalities me
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,39 +35,27 @@ SMALL = [  # configs/default.yaml's task (3-digit addition), smaller steps
 ]
 
 
-def _m2po(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "m2po_rllib.jobs.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**os.environ, **(env or {})},
-    )
+def _m2po_in_process(*args) -> tuple[int, str]:
+    """`m2po ARGS` in this process, in the test session's Ray (`ray_session`): exit code and
+    what it printed. (`test_cli` runs the console script as a user's shell does.)"""
+    from m2po_rllib.jobs.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, out.getvalue()
 
 
 @pytest.fixture(scope="module")
-def ray_tmp():
-    """Ray's temp root for the subprocesses (short: Ray's socket paths must stay < 108 chars)."""
-    d = tempfile.mkdtemp(prefix="m2po-ray-", dir="/tmp")
-    yield {"RAY_TMPDIR": d}
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def train_runs(tmp_path_factory, ray_tmp) -> list[Path]:
-    """Seeds 0 and 1 side by side (each its own local Ray on random ports)."""
+def train_runs(tmp_path_factory, ray_session) -> list[Path]:
+    """Seeds 0 and 1, one after the other."""
     root = tmp_path_factory.mktemp("train")
     runs = [root / f"seed{seed}" for seed in (0, 1)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "m2po_rllib.jobs.cli", "train", "--stop-iters", "3", "--output", str(out),
-             "--no-progress", "--checkpoint-every", "0", *SMALL, "run.stop_minutes=null", f"debugging.seed={seed}"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ray_tmp},
-        )
-        for seed, out in enumerate(runs)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
+    for seed, out in enumerate(runs):
+        code, printed = _m2po_in_process("train", "--stop-iters", "3", "--output", str(out), "--no-progress",
+                                         "--checkpoint-every", "0", *SMALL, "run.stop_minutes=null",
+                                         f"debugging.seed={seed}")
+        assert code == 0, printed[-3000:]
     return runs
 
 
@@ -148,7 +135,7 @@ def test_report_over_a_directory_without_runs_says_so(tmp_path, capsys):
 
 # -- a real Tune search: `m2po lab` -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def lab_experiment(tmp_path_factory, ray_tmp) -> Path:
+def lab_experiment(tmp_path_factory, ray_session) -> Path:
     from m2po_rllib.config.from_yaml import apply_overrides, load_spec
 
     root = tmp_path_factory.mktemp("lab")
@@ -165,9 +152,9 @@ def lab_experiment(tmp_path_factory, ray_tmp) -> Path:
         "collapse": {"grace": 1, "limits": {"clipped_frac": {"min": 1.0}}},
     }
     (root / "space.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
-    proc = _m2po("lab", "--space", str(root / "space.yaml"), "--out", str(root / "exp"), env=ray_tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 trials" in proc.stdout and "collapsed: 001_policy_loss=grpo" in proc.stdout
+    code, printed = _m2po_in_process("lab", "--space", str(root / "space.yaml"), "--out", str(root / "exp"))
+    assert code == 0, printed[-3000:]
+    assert "2 trials" in printed and "collapsed: 001_policy_loss=grpo" in printed
     return root / "exp"
 
 

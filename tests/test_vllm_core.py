@@ -50,3 +50,36 @@ def test_an_engine_placed_against_vllms_frozen_environment_is_refused(monkeypatc
             pass
     with core_placement(frozen_inline):  # the same placement is built as before
         pass
+
+
+@pytest.mark.parametrize("worker_index, chosen, given", [
+    (1, None, "auto"),  # a runner actor: inline on CPU unless the user says otherwise
+    (1, "process", "process"),
+    (0, None, None),  # the algorithm's own process keeps vLLM's default
+    (0, "inline", None),
+])
+def test_where_a_runner_puts_its_engine_core(monkeypatch, tiny_model_dir, worker_index, chosen, given):
+    """What a runner's EngineHost asks of the vLLM engine it starts (the engine itself is
+    stopped at its construction: starting one here would take this process over, or ~25 s)."""
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    from m2po_rllib import M2POConfig
+    from m2po_rllib.rollout import engine
+    from m2po_rllib.rollout.engine_host import EngineHost
+
+    asked = {}
+
+    class Stop(Exception):
+        pass
+
+    def make_engine(kind, path, **kwargs):
+        asked.update(kwargs, kind=kind)
+        raise Stop
+
+    monkeypatch.setattr(engine, "make_engine", make_engine)
+    config = (M2POConfig().environment("m2po/Arithmetic-v0")
+              .env_runners(rollout_engine="vllm", engine_kwargs={} if chosen is None else {"core": chosen})
+              .rl_module(model_config={"model": tiny_model_dir}))
+    with pytest.raises(Stop):
+        EngineHost(config, worker_index, 0, MetricsLogger()).engine
+    assert asked["kind"] == "vllm" and asked.get("core") == given

@@ -116,6 +116,8 @@ class EngineHost:
             if self.worker_index > 0:  # a runner actor: the process is the engine's own
                 kwargs.setdefault("num_threads", cpus(self.config.num_cpus_per_env_runner))
                 kwargs.setdefault("core", "auto")  # inline on CPU (vllm_cpu.py)
+            else:  # the algorithm's own process (validation refuses an inline core without remote runners)
+                kwargs.pop("core", None)
         if self.seed is not None:
             kwargs.setdefault("seed", self.seed)
         path = model_path(self.config)

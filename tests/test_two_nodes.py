@@ -83,7 +83,7 @@ def test_a_train_job_submitted_to_the_head_runs_across_both_nodes(two_nodes, tin
     deadline = time.monotonic() + JOB_TIMEOUT_S
     status = client.get_job_status(job_id)
     while not status.is_terminal() and time.monotonic() < deadline:
-        time.sleep(2)
+        time.sleep(0.5)
         status = client.get_job_status(job_id)
     logs = client.get_job_logs(job_id)
     if status != JobStatus.SUCCEEDED:

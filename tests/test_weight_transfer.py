@@ -283,6 +283,44 @@ def test_a_runner_gone_while_the_group_forms_fails_the_connect_not_the_run(tied_
                                   "weights/native_version": -1}
 
 
+def test_after_a_failed_send_there_is_no_group_to_send_through_and_no_more_failures_count(tied_model):
+    """A failed send closes the group (`NativeWeightSender.send`); until it is formed again
+    each version goes through the object store without another send tried, logged or
+    counted as a failure."""
+    from m2po_rllib.sync.learner_sync import LearnerWeightSync
+
+    sync = LearnerWeightSync(backend="gloo", dtype=torch.float32, state_fn=tied_model.state_dict)
+    try:
+        assert sync.connect([], [], version=0)["version"] == 0  # a group of the learner alone
+        sync.sender.close()  # what the failed send leaves
+        assert not sync.connected and sync.send(1) is None
+        assert sync.metrics(None) == {"weights/native_failures": 0, "weights/native_connects": 1,
+                                      "weights/native_version": -1}
+    finally:
+        sync.close()
+
+
+def test_with_no_runner_up_the_learners_form_no_group_and_ask_to_connect_again(tiny_model_dir):
+    """Every runner out of service (dead, being restored): the learners' room forms no group
+    (one of the learner alone would reach nobody and count as a connect), and leaves the
+    request to connect set, so the group is formed with the runner RLlib brings back."""
+    from _configs import tiny_config
+
+    from m2po_rllib.driver.learners import LearnerRoom
+    from m2po_rllib.rollout.env_runner import make_text_env
+
+    cfg = tiny_config(tiny_model_dir).env_runners(num_env_runners=1, rollout_engine="vllm", weight_sync="native")
+    cfg.validate()
+    group = cfg.build_learner_group(env=make_text_env(cfg.env, cfg.env_config))
+    try:
+        room = LearnerRoom(group, cfg)
+        assert not room.needs_reconnect
+        assert room.connect_weight_sync([]) is None and room.needs_reconnect
+        assert group._learner._weight_sync is None  # no group was formed, none counted
+    finally:
+        group.shutdown()
+
+
 def test_a_runner_whose_engine_cannot_start_fails_the_layout_check_before_the_group_opens(tiny_model_dir):
     """The learner checks each runner's layout before it opens the weight group, and that call
     starts the runner's engine: an engine that cannot start raises its own error there, at

@@ -86,10 +86,16 @@ class LearnerRoom:
         self.weights = self.publish()
         self.version = self.weights.version
 
-    def connect_weight_sync(self, runner_handles: list) -> dict:
+    def connect_weight_sync(self, runner_handles: list) -> dict | None:
         """Forms the learners' weight-transfer group with `runner_handles` and sends them the
         current weights; returns the send's stats. Updates in flight finish first (their
-        broadcasts use the old group): take their report with `wait_idle`."""
+        broadcasts use the old group): take their report with `wait_idle`. With no runner
+        up it forms nothing and returns None, `needs_reconnect` set: the group is formed
+        once RLlib restores one. (Sharded learners form it even then: every learner runs
+        each send's gathers, which a group of the learners alone keeps in step.)"""
+        if not runner_handles and not self.config.sharded_learners:
+            self.needs_reconnect = True
+            return None
         tp = int((self.config.engine_kwargs or {}).get("tensor_parallel_size", 1))
         stats = on_learners(
             self.group, lambda learner, h=runner_handles: learner.connect_weight_sync(h, [tp] * len(h)),

@@ -90,10 +90,14 @@ class M2PO(Algorithm):
     def _connect_weight_sync(self) -> None:
         """Forms the learners' weight-transfer group with every healthy training runner and
         sends them the current weights (at the start, and after runners were restored or a
-        send failed). Updates in flight finish first: their broadcasts use the old group."""
+        send failed; with none up, nothing until one is restored). Updates in flight finish
+        first: their broadcasts use the old group."""
         self._learners.wait_idle(self._absorb)
         handles = runner_actors(self.env_runner_group)
         stats = self._learners.connect_weight_sync(handles)
+        if stats is None:
+            logger.info("native weight sync: no runner is up; the group is formed once one is restored")
+            return
         self._log_native_sync(stats)
         version = int(stats[keys.NATIVE_SYNC_VERSION])
         logger.info("native weight sync: group formed with %d runners (%s)", len(handles),

@@ -67,8 +67,9 @@ class LearnerWeightSync:
         return self.send(version)
 
     def send(self, version: int) -> dict[str, float] | None:
-        """Broadcasts `version`; None if the send failed (the group is closed then)."""
-        if self.sender is None:
+        """Broadcasts `version`; None if the send failed (the group is closed then) or there
+        is no group to send through (not counted as a failure: nothing was sent)."""
+        if not self.connected:
             return None
         try:
             return self.sender.send(version)

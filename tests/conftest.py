@@ -10,6 +10,13 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `make test` runs the suite in pytest-xdist workers (TEST_WORKERS, whole files each): each
+# worker's torch gets its share of the cores, set before torch is imported and inherited by
+# the subprocesses, Ray nodes and actors it starts, so the workers together never ask for more
+# threads than the machine has (two 2-thread torch processes on 2 cores fall off a cliff).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ Variants, each in a fresh child process (peak RSS = the process's high-water mar
 the measured updates minus its RSS before them, after one warm-up update; a watchdog thread
 ends the child as "oom" once its RSS grows `--mem-cap-gb` past its size after set-up, so an
 update that does not fit stops before the machine's OOM killer wakes):
-- old: `rl_module.response_logp_and_entropy` on the whole minibatch (float32 logits for
+- old: `torch.logp.response_logp_and_entropy` on the whole minibatch (float32 logits for
   every position, log-softmax, entropy), the loss, one backward.
 - new: micro-batches of `--micro-batch` sequences, each `logp.response_logp` (decoder only,
   `chunked_logp_entropy` over `--chunk` positions), the same loss with the minibatch's
@@ -117,7 +117,7 @@ def loss_fn(logp, entropy, batch, num_tokens):
 
 def update(model, batch, args):
     from m2po_rllib.torch.logp import response_logp
-    from m2po_rllib.torch.rl_module import response_logp_and_entropy
+    from m2po_rllib.torch.logp import response_logp_and_entropy
 
     model.zero_grad(set_to_none=True)
     num_tokens = batch["response_mask"].sum()

@@ -15,7 +15,7 @@ Prints and writes (`--out`, JSON): peak memory (cuda: torch.cuda.max_memory_allo
 cpu: the process's peak RSS) and the memory before the updates (weights, AdamW state; cpu:
 RSS), tokens/s, seconds per update, the plan's estimate for the
 same shape (m2po_rllib/jobs/plan.py), and, unless --no-compare-old, the same updates through the
-full-logits path (`rl_module.response_logp_and_entropy`) per micro-batch and the max
+full-logits path (`torch.logp.response_logp_and_entropy`) per micro-batch and the max
 relative gradient difference between the two paths on one micro-batch.
 """
 
@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's packages, installed or not
 
 QWEN2_0_5B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -75,7 +78,7 @@ def make_minibatch(args, vocab: int, seed: int):
 def micro_batch_loss(model, micro, num_tokens, args, path: str):
     from m2po_rllib.losses import compute_policy_loss
     from m2po_rllib.torch.logp import response_logp
-    from m2po_rllib.torch.rl_module import response_logp_and_entropy
+    from m2po_rllib.torch.logp import response_logp_and_entropy
 
     if path == "chunked":
         logp, entropy = response_logp(model, micro, args.temperature, args.chunk)

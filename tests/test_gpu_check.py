@@ -30,6 +30,20 @@ def test_the_dry_run_lists_every_step_and_the_caps_fit_ten_minutes(tmp_path):
     assert not (tmp_path / "gpu" / "train.json").exists()  # a dry run runs nothing
 
 
+def test_learner_only_runs_the_learner_step_alone_and_a_bad_option_is_refused(tmp_path):
+    """--learner-only (what runs where vLLM and Ray cannot be installed) lists the learner
+    and summary steps, neither the install nor the vLLM and training steps."""
+    env = {**os.environ, "OUT": str(tmp_path / "gpu")}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--learner-only"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.findall(r"^\[gpu_check\] (\w+) \(at most", proc.stdout, flags=re.M) == ["learner", "summary"]
+    bad = subprocess.run(["bash", "bench/gpu_check.sh", "--learner"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OUT": str(tmp_path / "bad")})
+    assert bad.returncode == 2 and "unknown option '--learner'" in bad.stderr
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+
 @pytest.mark.slow
 def test_the_training_step_trains_the_one_gpu_config_and_the_summary_shows_it(tmp_path, ray_session, monkeypatch,
                                                                                caplog):

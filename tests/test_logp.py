@@ -9,7 +9,7 @@ from _references import plain_truncated_logp
 from _tolerance import accumulation_rtol, decoder_rtol
 from m2po_rllib.models.tiny import tiny_qwen2_config
 from m2po_rllib.torch.logp import chunked_logp_entropy, response_logp
-from m2po_rllib.torch.rl_module import response_logp_and_entropy
+from m2po_rllib.torch.logp import response_logp_and_entropy
 
 V, PAD = 211, 0
 PROMPT_LENS = (5, 3, 1)  # left-padded to P = 5

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from m2po_rllib.common.truncation import dropped_tokens
+from m2po_rllib.common.truncation import dropped_tokens, truncate_logits_
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -240,7 +240,7 @@ def response_logp(
 
     `batch` holds `input_ids`, `attention_mask` (B, P + R) and `response_mask` (B, R), the
     layout of `HFCausalLMModule`. Same values as the full-logits path
-    (`rl_module.response_logp_and_entropy`), with memory bounded by `chunk_size`.
+    (`response_logp_and_entropy`), with memory bounded by `chunk_size`.
     `compute_dtype` (e.g. bfloat16) runs the decoder under autocast and the head's matmuls
     in that dtype while the parameters (and their gradients, and AdamW's state) stay in
     their own dtype, float32 master weights; the softmax is float32 either way.
@@ -273,3 +273,43 @@ def response_logp(
     return chunked_logp_entropy(
         hidden.to(head_dtype), weight, targets, temperature, chunk_size, with_entropy, bias=bias, top_k=top_k, top_p=top_p
     )
+
+
+def response_logp_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and entropy) of each response token under `model`, from the full logits
+    (B, P + R, V): the plainly written reference that `response_logp` (what the module uses) is tested
+    against, and the old path of `bench/bench_learner_memory.py` and
+    `bench/gpu_learner_check.py`.
+
+    Logits are divided by `temperature` before the softmax: the log-probs are those of
+    the distribution the rollout engine sampled from (as verl computes them), restricted
+    to the `top_k` / `top_p` kept tokens when those truncate (`m2po_rllib.common.truncation`).
+    Returns `(B, R)` tensors, float32.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    # Token t of the response is predicted by position t - 1.
+    prompt_len = input_ids.shape[1] - response_len
+    logits = logits[:, prompt_len - 1 : -1, :].float()  # (B, R, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    B, R, V = logits.shape
+    logits = truncate_logits_(logits.reshape(B * R, V).clone(), top_k, top_p).view(B, R, V)
+    log_probs = logits.log_softmax(-1)
+    targets = input_ids[:, prompt_len:]
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
+    entropy = None
+    if with_entropy:
+        entropy = -(log_probs.exp() * log_probs.masked_fill(log_probs == float("-inf"), 0.0)).sum(-1)
+    return logp, entropy

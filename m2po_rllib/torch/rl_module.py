@@ -18,7 +18,6 @@ import torch
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 
-from m2po_rllib.common.truncation import truncate_logits_
 from m2po_rllib.torch import fsdp
 from m2po_rllib.torch.logp import response_logp as chunked_response_logp
 
@@ -31,45 +30,6 @@ ENTROPY = "entropy"
 
 # model_config["dtype"] -> the compute dtype (M2POConfig validates the name).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def response_logp_and_entropy(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_len: int,
-    temperature: float = 1.0,
-    with_entropy: bool = True,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob (and entropy) of each response token under `model`, from the full logits
-    (B, P + R, V): the plainly written reference that `m2po_rllib.torch.logp` (what the
-    module uses) is tested against, and the old path of `bench/bench_learner_memory.py`.
-
-    Logits are divided by `temperature` before the softmax: the log-probs are those of
-    the distribution the rollout engine sampled from (as verl computes them), restricted
-    to the `top_k` / `top_p` kept tokens when those truncate (`m2po_rllib.common.truncation`).
-    Returns `(B, R)` tensors, float32.
-    """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits
-    # Token t of the response is predicted by position t - 1.
-    prompt_len = input_ids.shape[1] - response_len
-    logits = logits[:, prompt_len - 1 : -1, :].float()  # (B, R, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    B, R, V = logits.shape
-    logits = truncate_logits_(logits.reshape(B * R, V).clone(), top_k, top_p).view(B, R, V)
-    log_probs = logits.log_softmax(-1)
-    targets = input_ids[:, prompt_len:]
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, R)
-    entropy = None
-    if with_entropy:
-        entropy = -(log_probs.exp() * log_probs.masked_fill(log_probs == float("-inf"), 0.0)).sum(-1)
-    return logp, entropy
 
 
 class HFCausalLMModule(TorchRLModule):

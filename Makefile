@@ -90,12 +90,13 @@ tool: setup
 # fixtures are built once; each worker's torch gets its share of the cores: tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process, one test after another.
 TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 test: setup
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PYTEST) $(ARGS)
 	@echo "set-up time of this .venv (cold install): $$(cat $(VENV)/.m2po-setup-seconds 2>/dev/null || echo '?') s"
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 # Each script prints its figures and writes bench/results/<name>.json; run with nothing
 # else on the machine (a second CPU-heavy process slows 2-thread torch 10-40x).

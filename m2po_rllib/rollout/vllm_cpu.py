@@ -15,11 +15,12 @@
   prefill"): the engine's log-probs are checked against the learner's in the tests with vLLM
   runners (equal to 1e-3).
 - **Where the engine core runs** (`core`): vLLM's default puts the engine core and its worker
-  in processes of their own ("process"), which on CPU costs a second import of torch and
-  vLLM and a busy-polling core beside the runner: an engine starts in 21-26 s and stops in
+  in processes of their own ("process"), which on CPU costs two more imports of torch and
+  vLLM (the worker is a process of its own too: vLLM forces its "mp" executor there) and a
+  worker that spins for 1 s after each message: an engine starts in 21-26 s and stops in
   5-6 s here. "inline" runs them in the caller's process (vLLM's
-  VLLM_ENABLE_V1_MULTIPROCESSING=0): 9-11 s and ~1.6 s (docs/guide/gpus-and-clusters.md). The worker then takes the process
-  over: it seeds the global random generators, opens torch.distributed's default group, makes
+  VLLM_ENABLE_V1_MULTIPROCESSING=0): 9-11 s and ~1.6 s (docs/guide/gpus-and-clusters.md).
+  The worker then takes the process over: it seeds the global random generators, opens torch.distributed's default group, makes
   `torch.set_num_threads` a no-op and freezes vLLM's environment variables (read once, then
   cached), so "inline" is for a process that is the engine's own, as an EnvRunner actor is.
   "auto" is "inline" on CPU and "process" elsewhere (on a GPU the separate core overlaps

@@ -286,9 +286,9 @@ def response_logp_and_entropy(
     top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each response token under `model`, from the full logits
-    (B, P + R, V): the plainly written reference that `response_logp` (what the module uses) is tested
-    against, and the old path of `bench/bench_learner_memory.py` and
-    `bench/gpu_learner_check.py`.
+    (B, P + R, V): the plainly written reference that `response_logp` (what the module
+    uses) is tested against, and the old path of `bench/bench_learner_memory.py` and
+    `bench/gpu_learner_check.py`. Pure torch, as this whole module (no Ray).
 
     Logits are divided by `temperature` before the softmax: the log-probs are those of
     the distribution the rollout engine sampled from (as verl computes them), restricted
